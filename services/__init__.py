@@ -1,0 +1,1 @@
+"""Baton services: gateway, prefill, decode and the KV store, one package each."""

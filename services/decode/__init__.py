@@ -1,0 +1,1 @@
+"""Decode service: the token phase (issue: disaggregated serving end to end)."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway (issue: disaggregated serving end to end)."""

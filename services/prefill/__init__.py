@@ -1,0 +1,1 @@
+"""Prefill service: the prompt phase (issue: disaggregated serving end to end)."""

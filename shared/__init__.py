@@ -1,0 +1,1 @@
+"""Library shared by every Baton service: model, KV layout, engine, config."""

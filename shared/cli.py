@@ -1,0 +1,144 @@
+"""The ``baton`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.config import BatonSettings, EngineConfig
+from shared.errors import BatonError, InvalidRequestError
+from shared.kv.layout import torch_dtype
+
+
+def _settings_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file or HF model folder (default: $BATON_MODEL, "
+                   "else the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+    p.add_argument("--cache-dir", type=Path, help="model cache (default: $BATON_CACHE_DIR)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage models")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    pull = msub.add_parser("pull", help="fetch and convert the embedded default model")
+    _settings_args(pull)
+
+    gen = sub.add_parser("generate", help="generate text in one process")
+    _settings_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object with ids and timings")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> BatonSettings:
+    overrides: dict[str, object] = {}
+    if getattr(args, "model", None):
+        overrides["model"] = args.model
+    if getattr(args, "cache_dir", None):
+        overrides["cache_dir"] = args.cache_dir
+    if getattr(args, "dtype", None):
+        overrides["dtype"] = args.dtype
+    if getattr(args, "threads", None):
+        overrides["num_threads"] = args.threads
+    return BatonSettings(**overrides)  # type: ignore[arg-type]
+
+
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from shared.model.registry import resolve
+
+    settings = _settings(args)
+    t0 = time.perf_counter()
+    resolved = resolve(settings.model, settings.cache_dir, progress=True)
+    print(f"{resolved.name}: ready in {resolved.folder} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shared.engine.engine import Engine
+    from shared.engine.sampling_params import SamplingParams
+
+    settings = _settings(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    if not args.prompt:
+        raise InvalidRequestError("the prompt is empty")
+    if settings.device == "cpu" and torch_dtype(settings.dtype) is torch_dtype("float16"):
+        raise InvalidRequestError("float16 is not supported on CPU; use float32 or bfloat16")
+    config: EngineConfig = settings.engine_config()
+    t0 = time.perf_counter()
+    engine = Engine.from_config(config, cache_dir=settings.cache_dir, progress=not args.json)
+    load_s = time.perf_counter() - t0
+    tok = engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(
+        args.prompt
+    )
+    rid = engine.add_request(ids, params)
+    out_ids: list[int] = []
+    text: list[str] = []
+    finish = None
+    timings = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            out_ids.extend(out.new_token_ids)
+            text.append(out.new_text)
+            if not args.json:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            if out.finished:
+                finish, timings = out.finish_reason, out.timings
+    if args.json:
+        ttft = e2e = None
+        if timings is not None and timings.first_token is not None and timings.finished:
+            ttft = timings.first_token - timings.arrival
+            e2e = timings.finished - timings.arrival
+        decode_rate = (len(out_ids) - 1) / (e2e - ttft) if e2e and ttft and len(out_ids) > 1 else None
+        print(json.dumps({
+            "model": engine.loaded.name,
+            "prompt": args.prompt,
+            "prompt_token_ids": ids,
+            "token_ids": out_ids,
+            "text": "".join(text),
+            "finish_reason": finish.value if finish else None,
+            "timings": {"load_s": load_s, "ttft_s": ttft, "e2e_s": e2e,
+                        "decode_tokens_per_s": decode_rate},
+        }))  # fmt: skip
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "model":
+            return cmd_model_pull(args)
+        return cmd_generate(args)
+    except BatonError as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

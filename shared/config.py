@@ -1,0 +1,87 @@
+"""One typed configuration tree.
+
+Inside the process everything is a frozen dataclass; the service edge reads
+environment variables (prefix ``BATON_``) with pydantic-settings and converts
+them with :meth:`BatonSettings.engine_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of one engine step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to a GGUF file or HF folder; None = embedded default
+    dtype: DType = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "baton"
+
+
+class BatonSettings(BaseSettings):
+    """Environment-facing settings (``BATON_MODEL``, ``BATON_DTYPE``, ...)."""
+
+    model_config = SettingsConfigDict(env_prefix="BATON_", extra="ignore")
+
+    model: str | None = None
+    dtype: DType = "float32"
+    device: str = "cpu"
+    num_threads: int | None = Field(default=None, ge=1)
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=1024)
+    kv_cache_gb: float = Field(default=1.0, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            num_threads=self.num_threads,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+        )

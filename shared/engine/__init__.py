@@ -1,0 +1,1 @@
+"""The inference engine: requests, scheduling, model runner, sampling, detokenization."""

@@ -1,0 +1,94 @@
+"""Token sampling: penalties, temperature, top-k, top-p, seeded randomness, logprobs.
+
+Randomness is keyed by ``(request seed, token position)`` only, never by a
+running generator state: regenerating from any position (after preemption,
+or on another instance after a failover) draws the same noise and so the
+same tokens. The noise is always drawn on the CPU so the device does not
+change it. Logprobs are the model's raw distribution (before penalties and
+temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from shared.engine.request import SampledToken, TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    position: int  # absolute position the sampled token will take in the sequence
+    output_token_ids: Sequence[int]
+
+
+def noise_key(seed: int, position: int) -> int:
+    """Stable 63-bit generator seed for one (request seed, token position)."""
+    data = struct.pack("<QQ", seed % (1 << 64), position)
+    return xxhash.xxh64_intdigest(data) & ((1 << 63) - 1)
+
+
+def exponential_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(noise_key(seed, position))
+    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=gen)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, outputs: Sequence[int]) -> None:
+    """OpenAI presence/frequency penalties over the generated tokens (in place)."""
+    if not outputs:
+        return
+    counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=logits.shape[-1])
+    counts = counts[: logits.shape[-1]].to(logits.device, logits.dtype)
+    logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def _logprobs(raw: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    top: tuple[tuple[int, float], ...] = ()
+    if n > 0:
+        vals, ids = torch.topk(raw, n)
+        top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprobs(token_id=token, logprob=float(raw[token]), top=top)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """``logits``: fp32 ``[len(rows), vocab]`` -> one token per row."""
+    raw = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw = torch.log_softmax(logits, dim=-1).cpu()
+    out: list[SampledToken] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        lg = logits[i]
+        if p.has_penalties:
+            lg = lg.clone()
+            apply_penalties(lg, p, row.output_token_ids)
+        if p.greedy:
+            token = int(torch.argmax(lg))
+        else:
+            lg = filter_top_k_top_p(lg / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(lg, dim=-1).cpu()
+            token = int(torch.argmax(probs / exponential_noise(row.seed, row.position, probs.numel())))
+        lp = None if raw is None or p.logprobs is None else _logprobs(raw[i], token, p.logprobs)
+        out.append(SampledToken(token, lp))
+    return out

@@ -1,0 +1,44 @@
+"""The paged KV tensor pool: ``num_blocks`` blocks laid out as :mod:`shared.kv.layout` says.
+
+Ownership: the pool belongs to one model runner; which request owns which
+block is the :class:`~shared.kv.block_pool.BlockPool`'s business. The memory
+is allocated once at start-up and never grows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.kv.layout import KVLayout
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # numpy.zeros is calloc: pages are zero-filled lazily by the OS, so a large
+    # pool costs nothing until used (torch.zeros would touch every page now).
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu"):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.pool = _zeros((num_blocks, *layout.block_shape), layout.torch_dtype, device)
+
+    @classmethod
+    def for_memory(cls, layout: KVLayout, nbytes: int, device: str = "cpu") -> KVCache:
+        return cls(layout, max(1, nbytes // layout.block_bytes), device)
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[num_blocks, kv_heads, block_size, head_dim]`` of layer ``idx``'s K and V."""
+        return self.pool[:, idx, 0], self.pool[:, idx, 1]
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block as its contiguous ``block_shape`` tensor (a view, not a copy)."""
+        return self.pool[block_id]

@@ -1,0 +1,1 @@
+"""The model: architecture config, weights loading (HF folders, GGUF), tokenizer, torch forward."""

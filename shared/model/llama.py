@@ -1,0 +1,111 @@
+"""A Llama-family decoder in plain torch (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV pool.
+
+The model is stateless apart from its weights: the caller passes the
+flattened ragged batch, the attention metadata and the KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import ModelFormatError
+from shared.kv.kv_cache import KVCache
+from shared.model.arch import LlamaArch
+from shared.model.attention import AttentionMetadata, paged_attention, write_kv
+from shared.model.rope import Rope
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+
+class LlamaModel:
+    def __init__(
+        self, arch: LlamaArch, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+    ):
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ModelFormatError(f"weights lack tensor {name}")
+            return state[name].to(dtype=dtype, device=device)
+
+        def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+            if tuple(t.shape) != shape:
+                raise ModelFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        a = arch
+        q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size),
+                            "embed_tokens")  # fmt: skip
+        self.final_norm = get("model.norm.weight")
+        self.lm_head = self.embed if a.tie_word_embeddings else get("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(a.num_layers):
+            p = f"model.layers.{i}."
+            q = expect(get(p + "self_attn.q_proj.weight"), (q_dim, a.hidden_size), p + "q_proj")
+            k = expect(get(p + "self_attn.k_proj.weight"), (kv_dim, a.hidden_size), p + "k_proj")
+            v = expect(get(p + "self_attn.v_proj.weight"), (kv_dim, a.hidden_size), p + "v_proj")
+            gate = get(p + "mlp.gate_proj.weight")
+            up = get(p + "mlp.up_proj.weight")
+            self.layers.append(
+                LayerWeights(
+                    input_norm=get(p + "input_layernorm.weight"),
+                    qkv=torch.cat([q, k, v]).contiguous(),
+                    o_proj=get(p + "self_attn.o_proj.weight"),
+                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([gate, up]).contiguous(),
+                    down=get(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.rope = Rope(arch, dtype, device)
+        self.scale = a.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows."""
+        a = self.arch
+        q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        n = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        for idx, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv)
+            q = self.rope.apply(qkv[:, :q_dim].view(n, a.num_heads, a.head_dim), positions)
+            k = self.rope.apply(
+                qkv[:, q_dim : q_dim + kv_dim].view(n, a.num_kv_heads, a.head_dim), positions
+            )
+            v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
+            k_pool, v_pool = kv.layer(idx)
+            write_kv(k_pool, v_pool, k, v, meta)
+            attn = paged_attention(q, k_pool, v_pool, meta, self.scale)
+            h = h + F.linear(attn.reshape(n, q_dim), lw.o_proj)
+            x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        last = rms_norm(h[logits_rows], self.final_norm, a.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,56 @@
+"""``load_model``: spec (GGUF file, HF folder or default) -> a runnable model and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ModelFormatError
+from shared.kv.layout import torch_dtype
+from shared.model.arch import LlamaArch
+from shared.model.llama import LlamaModel
+from shared.model.registry import ResolvedModel, resolve
+from shared.model.tokenizer import Tokenizer
+from shared.model.weights import load_state_dict
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    identity: str  # stable id of the weights; part of every KV block id
+    folder: Path
+    arch: LlamaArch
+    model: LlamaModel
+    tokenizer: Tokenizer
+    load_seconds: float
+
+
+def load_model(
+    spec: str | None, *, cache_dir: Path, dtype: str = "float32", device: str = "cpu",
+    progress: bool = True,
+) -> LoadedModel:  # fmt: skip
+    resolved = resolve(spec, cache_dir, progress=progress)
+    return load_resolved(resolved, dtype=dtype, device=device)
+
+
+def load_resolved(resolved: ResolvedModel, *, dtype: str, device: str) -> LoadedModel:
+    t0 = time.perf_counter()
+    try:
+        cfg = json.loads((resolved.folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{resolved.folder}/config.json is unreadable: {e}") from e
+    arch = LlamaArch.from_hf_config(cfg)
+    tokenizer = Tokenizer.from_folder(resolved.folder)
+    state = load_state_dict(resolved.folder)
+    model = LlamaModel(arch, state, torch_dtype(dtype), device)
+    return LoadedModel(
+        name=resolved.name,
+        identity=resolved.identity,
+        folder=resolved.folder,
+        arch=arch,
+        model=model,
+        tokenizer=tokenizer,
+        load_seconds=time.perf_counter() - t0,
+    )

@@ -1,0 +1,50 @@
+"""Rotary position embedding tables (rotate-half convention), with HF ``rope_scaling``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shared.model.arch import LlamaArch
+
+
+def inv_frequencies(arch: LlamaArch) -> torch.Tensor:
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = arch.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "linear":
+        return inv / rs.factor
+    # llama3: scale low frequencies, keep high ones, blend in between
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class Rope:
+    """Precomputed cos/sin for every position up to the model's context length."""
+
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: str):
+        inv = inv_frequencies(arch).float()
+        pos = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[N, heads, head_dim]``; ``positions``: ``[N]``."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
