@@ -1,0 +1,50 @@
+"""Shared fixtures: the real default model (pulled once into the cache) and engines over it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
+from shared.engine.engine import Engine
+from shared.model.loader import LoadedModel, load_model
+
+CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATON_CACHE_DIR") or default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32(cache_dir: Path) -> LoadedModel:
+    return load_model(None, cache_dir=cache_dir, dtype="float32", progress=False)
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
+    """Engines share the loaded fp32 weights; each gets its own KV pool and scheduler."""
+
+    def make(
+        *, kv_cache_bytes: int = 64 << 20, max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+    ) -> Engine:  # fmt: skip
+        config = EngineConfig(
+            cache=CacheConfig(kv_cache_bytes=kv_cache_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+        )  # fmt: skip
+        return Engine(loaded_fp32, replace(config, dtype="float32"))
+
+    return make

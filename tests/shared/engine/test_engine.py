@@ -1,0 +1,177 @@
+"""The in-process engine on the real default model: batching, caching, chunking, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.request import FinishReason
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import InvalidRequestError, RequestTooLongError
+from shared.model.loader import LoadedModel
+from tests.conftest import CHAT_FRANCE, EngineFactory
+from tests.shared.model.forward import new_cache, prefill_logits
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _prompts(loaded: LoadedModel) -> list[list[int]]:
+    texts = [
+        "Hi",
+        "The quick brown fox",
+        "Write a haiku about the sea.",
+        "List three prime numbers and explain why each one is prime, briefly.",
+        "In 1969, astronauts landed on the Moon. Describe the mission in detail, including "
+        "the crew, the spacecraft, the landing site and what they brought back to Earth.",
+        "Python is a programming language. " * 7,
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    ",
+        "Once upon a time, in a kingdom far away, there lived a princess who " * 3,
+    ]
+    return [loaded.tokenizer.encode(t) for t in texts]
+
+
+def test_chat_answers_paris(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    ids = engine.tokenizer.encode_chat(CHAT_FRANCE)
+    out = engine.generate([ids], SamplingParams(max_tokens=32, temperature=0))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == engine.tokenizer.decode(out.token_ids)
+
+
+def test_ragged_batch_matches_running_alone(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    prompts = _prompts(loaded_fp32)
+    assert len({len(p) for p in prompts}) == len(prompts)
+    alone = [make_engine().generate([p], GREEDY)[0].token_ids for p in prompts]
+    batched = make_engine().generate(prompts, GREEDY)
+    assert [b.token_ids for b in batched] == alone
+
+
+def test_chunked_prefill_matches_one_shot(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    prompts = _prompts(loaded_fp32)
+    one_shot = make_engine().generate(prompts, GREEDY)
+    chunked = make_engine(max_num_batched_tokens=13).generate(prompts, GREEDY)
+    assert [c.token_ids for c in chunked] == [o.token_ids for o in one_shot]
+
+
+def test_chunked_and_prefix_logits_equal_one_shot(loaded_fp32: LoadedModel) -> None:
+    ids = _prompts(loaded_fp32)[4]
+    full = prefill_logits(loaded_fp32, ids)
+    cache = new_cache(loaded_fp32)
+    pieces = []
+    for start, end in ((0, 7), (7, 32), (32, len(ids))):  # unaligned and aligned chunks
+        pieces.append(prefill_logits(loaded_fp32, ids[:end], start=start, cache=cache))
+    assert torch.allclose(torch.cat(pieces), full, atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_hit_gives_same_tokens(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    base = _prompts(loaded_fp32)[4]
+    engine = make_engine()
+    cold = engine.generate([base], SamplingParams(max_tokens=16, temperature=0, logprobs=5))[0]
+    warm = engine.generate([base], SamplingParams(max_tokens=16, temperature=0, logprobs=5))[0]
+    assert cold.num_cached_tokens == 0
+    assert warm.num_cached_tokens == (len(base) - 1) // 16 * 16 > 0
+    assert warm.token_ids == cold.token_ids
+    for a, b in zip(cold.logprobs, warm.logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-4
+    # a different tenant (cache_salt) never hits the other tenant's blocks
+    rid = engine.add_request(base, GREEDY, cache_salt="tenant-b")
+    outs = [o for _ in range(2) for o in engine.step() if o.request_id == rid]
+    assert outs[0].num_cached_tokens == 0
+    engine.abort(rid)
+
+
+def test_seeded_sampling_is_reproducible(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    prompts = _prompts(loaded_fp32)[:4]
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=s)
+              for s in range(4)]  # fmt: skip
+    first = make_engine().generate(prompts, params)
+    # same seeds, other batch composition and order
+    second = make_engine().generate(prompts[::-1], params[::-1])[::-1]
+    assert [f.token_ids for f in first] == [s.token_ids for s in second]
+    other = make_engine().generate(prompts, [SamplingParams(max_tokens=20, temperature=0.9,
+                                                            seed=s + 100) for s in range(4)])
+    assert [f.token_ids for f in first] != [o.token_ids for o in other]
+
+
+def test_regenerating_from_any_position_reproduces_the_rest(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    prompt = _prompts(loaded_fp32)[2]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    full = make_engine().generate([prompt], params)[0].token_ids
+    for cut in (1, 7, 16, 23):
+        rest = make_engine().generate(
+            [prompt + full[:cut]],
+            SamplingParams(max_tokens=24 - cut, temperature=1.0, seed=1234, ignore_eos=True),
+        )[0].token_ids
+        assert rest == full[cut:], cut
+
+
+def test_preemption_under_kv_pressure_keeps_outputs(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    prompts = _prompts(loaded_fp32)
+    reference = make_engine().generate(prompts, GREEDY)
+    # 20 blocks of 16 tokens cannot hold all 8 sequences at once
+    tight = make_engine(kv_cache_bytes=20 * 46_080 * 16)
+    assert tight.block_pool.num_blocks == 20
+    out = tight.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+    assert tight.block_pool.num_free == tight.block_pool.num_blocks
+
+
+def test_abort_frees_kv(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine()
+    prompts = _prompts(loaded_fp32)
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    engine.step()
+    assert engine.block_pool.num_free < engine.block_pool.num_blocks
+    for rid in rids:
+        assert engine.abort(rid)
+    assert not engine.abort(rids[0])
+    assert not engine.has_unfinished()
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert not engine.timings
+
+
+def test_stop_string_cuts_text(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    ids = engine.tokenizer.encode_chat(CHAT_FRANCE)
+    out = engine.generate([ids], SamplingParams(max_tokens=32, temperature=0, stop=(" is",)))[0]
+    assert out.text == "The capital of France"
+    assert out.finish_reason is FinishReason.STOP
+
+
+def test_logprobs_are_consistent(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    ids = engine.tokenizer.encode_chat(CHAT_FRANCE)
+    out = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0, logprobs=3))[0]
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == tok
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == tok  # greedy picks the most likely token
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+
+
+def test_bad_input_is_rejected(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([10**9], GREEDY)
+    with pytest.raises(RequestTooLongError, match="context length"):
+        engine.add_request([1] * 8190, SamplingParams(max_tokens=16))
+    for bad in ({"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -0.5},
+                {"top_p": 0.0}, {"top_k": 0}, {"logprobs": 21}, {"presence_penalty": 3.0},
+                {"temperature": float("nan")}, {"stop": ("",)}):  # fmt: skip
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    assert not engine.has_unfinished()
+
+
+def test_penalties_discourage_repeats(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+    prompt = loaded_fp32.tokenizer.encode("Repeat after me: la la la la la la la la")
+    plain = make_engine().generate([prompt], GREEDY)[0].token_ids
+    penal = make_engine().generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                 frequency_penalty=2.0, presence_penalty=2.0),
+    )[0].token_ids  # fmt: skip
+    assert len(set(penal)) > len(set(plain))

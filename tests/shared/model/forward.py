@@ -1,0 +1,37 @@
+"""Test helper: run prompts straight through the model over a private KV pool."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.kv.kv_cache import KVCache
+from shared.kv.layout import KVLayout
+from shared.model.attention import AttentionMetadata, PrefillSegment
+from shared.model.loader import LoadedModel
+
+BLOCK = 16
+
+
+def new_cache(loaded: LoadedModel, num_blocks: int = 64) -> KVCache:
+    a = loaded.arch
+    dtype = "bfloat16" if loaded.model.dtype is torch.bfloat16 else "float32"
+    return KVCache(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, BLOCK, dtype), num_blocks)
+
+
+def prefill_logits(
+    loaded: LoadedModel, ids: list[int], *, start: int = 0, cache: KVCache | None = None,
+    blocks: list[int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Logits of every row of ``ids[start:]``, computed on top of KV already at ``[0, start)``."""
+    cache = cache or new_cache(loaded)
+    blocks = blocks or list(range(-(-len(ids) // BLOCK)))
+    pos = torch.arange(start, len(ids))
+    n = len(ids) - start
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor(blocks)[pos // BLOCK],
+        slot_offsets=pos % BLOCK,
+        num_decodes=0,
+        decode=None,
+        prefills=(PrefillSegment(0, n, torch.tensor(blocks[: -(-len(ids) // BLOCK)]), len(ids)),),
+    )
+    return loaded.model.forward(torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n))
