@@ -15,8 +15,11 @@ from shared.kv.layout import torch_dtype
 
 
 def _settings_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file or HF model folder (default: $BATON_MODEL, "
-                   "else the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        help="GGUF file or HF model folder (default: $BATON_MODEL, "
+        "else the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--cache-dir", type=Path, help="model cache (default: $BATON_CACHE_DIR)")
 
 
@@ -42,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--json", action="store_true", help="print one JSON object with ids and timings")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object with ids and timings"
+    )
     return parser
 
 
@@ -75,9 +80,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )  # fmt: skip
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty")
     if settings.device == "cpu" and torch_dtype(settings.dtype) is torch_dtype("float16"):
@@ -87,8 +97,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.from_config(config, cache_dir=settings.cache_dir, progress=not args.json)
     load_s = time.perf_counter() - t0
     tok = engine.tokenizer
-    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(
-        args.prompt
+    ids = (
+        tok.encode_chat([{"role": "user", "content": args.prompt}])
+        if args.chat
+        else tok.encode(args.prompt)
     )
     rid = engine.add_request(ids, params)
     out_ids: list[int] = []
@@ -111,17 +123,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if timings is not None and timings.first_token is not None and timings.finished:
             ttft = timings.first_token - timings.arrival
             e2e = timings.finished - timings.arrival
-        decode_rate = (len(out_ids) - 1) / (e2e - ttft) if e2e and ttft and len(out_ids) > 1 else None
-        print(json.dumps({
-            "model": engine.loaded.name,
-            "prompt": args.prompt,
-            "prompt_token_ids": ids,
-            "token_ids": out_ids,
-            "text": "".join(text),
-            "finish_reason": finish.value if finish else None,
-            "timings": {"load_s": load_s, "ttft_s": ttft, "e2e_s": e2e,
-                        "decode_tokens_per_s": decode_rate},
-        }))  # fmt: skip
+        decode_rate = (
+            (len(out_ids) - 1) / (e2e - ttft) if e2e and ttft and len(out_ids) > 1 else None
+        )
+        print(
+            json.dumps(
+                {
+                    "model": engine.loaded.name,
+                    "prompt": args.prompt,
+                    "prompt_token_ids": ids,
+                    "token_ids": out_ids,
+                    "text": "".join(text),
+                    "finish_reason": finish.value if finish else None,
+                    "timings": {
+                        "load_s": load_s,
+                        "ttft_s": ttft,
+                        "e2e_s": e2e,
+                        "decode_tokens_per_s": decode_rate,
+                    },
+                }
+            )
+        )
     else:
         sys.stdout.write("\n")
     return 0

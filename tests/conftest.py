@@ -34,17 +34,23 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
     """Engines share the loaded fp32 weights; each gets its own KV pool and scheduler."""
 
     def make(
-        *, kv_cache_bytes: int = 64 << 20, max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+        *,
+        kv_cache_bytes: int = 64 << 20,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
-    ) -> Engine:  # fmt: skip
+    ) -> Engine:
         config = EngineConfig(
-            cache=CacheConfig(kv_cache_bytes=kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-        )  # fmt: skip
+            cache=CacheConfig(
+                kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
         return Engine(loaded_fp32, replace(config, dtype="float32"))
 
     return make

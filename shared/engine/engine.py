@@ -91,9 +91,12 @@ class Engine:
         )
         self.max_model_len = arch.max_position_embeddings
         self.scheduler = Scheduler(
-            config.scheduler, self.block_pool, self.hasher,
-            max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
-        )  # fmt: skip
+            config.scheduler,
+            self.block_pool,
+            self.hasher,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
         self.runner = ModelRunner(loaded.model, self.kv_cache)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.timings: dict[RequestId, RequestTimings] = {}
@@ -104,17 +107,24 @@ class Engine:
         cls, config: EngineConfig, *, cache_dir: Path | None = None, progress: bool = True
     ) -> Engine:
         loaded = load_model(
-            config.model, cache_dir=cache_dir or default_cache_dir(), dtype=config.dtype,
-            device=config.device, progress=progress,
-        )  # fmt: skip
+            config.model,
+            cache_dir=cache_dir or default_cache_dir(),
+            dtype=config.dtype,
+            device=config.device,
+            progress=progress,
+        )
         return cls(loaded, config)
 
     # -- requests ------------------------------------------------------------
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-        request_id: str | None = None, cache_salt: str | None = None,
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
         detokenize: bool = True,
-    ) -> RequestId:  # fmt: skip
+    ) -> RequestId:
         vocab = self.loaded.arch.vocab_size
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -179,7 +189,9 @@ class Engine:
                     request_id=req.request_id,
                     new_token_ids=new_ids,
                     new_text=text,
-                    new_logprobs=req.output_logprobs[-1:] if req.params.logprobs is not None else [],
+                    new_logprobs=req.output_logprobs[-1:]
+                    if req.params.logprobs is not None
+                    else [],
                     finished=req.is_finished,
                     finish_reason=req.finish_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -215,10 +227,14 @@ class Engine:
                 raise RuntimeError(f"engine finished {rid} without a reason or timings")
             results.append(
                 Completion(
-                    request_id=rid, prompt_token_ids=list(prompt), token_ids=tokens[rid],
-                    text="".join(texts[rid]), logprobs=logprobs[rid],
-                    finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
+                    request_id=rid,
+                    prompt_token_ids=list(prompt),
+                    token_ids=tokens[rid],
+                    text="".join(texts[rid]),
+                    logprobs=logprobs[rid],
+                    finish_reason=out.finish_reason,
+                    num_cached_tokens=out.num_cached_tokens,
                     timings=out.timings,
-                )  # fmt: skip
+                )
             )
         return results

@@ -54,8 +54,10 @@ class ModelRunner:
             decode = DecodeBatch.build(
                 [list(s.request.block_ids) for s in decodes],
                 [s.request.num_computed_tokens + 1 for s in decodes],
-                bs, self.model.arch.num_kv_heads, self.device,
-            )  # fmt: skip
+                bs,
+                self.model.arch.num_kv_heads,
+                self.device,
+            )
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, device=self.device),
             slot_offsets=torch.tensor(slot_offsets, device=self.device),
@@ -73,8 +75,9 @@ class ModelRunner:
         if not sampled:
             return {}
         rows = [
-            SamplingRow(s.request.params, s.request.seed, s.request.num_tokens,
-                        s.request.output_token_ids)  # fmt: skip
+            SamplingRow(
+                s.request.params, s.request.seed, s.request.num_tokens, s.request.output_token_ids
+            )
             for s in sampled
         ]
         tokens = sample(logits, rows)

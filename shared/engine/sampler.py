@@ -88,7 +88,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
         else:
             lg = filter_top_k_top_p(lg / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(lg, dim=-1).cpu()
-            token = int(torch.argmax(probs / exponential_noise(row.seed, row.position, probs.numel())))
+            token = int(
+                torch.argmax(probs / exponential_noise(row.seed, row.position, probs.numel()))
+            )
         lp = None if raw is None or p.logprobs is None else _logprobs(raw[i], token, p.logprobs)
         out.append(SampledToken(token, lp))
     return out

@@ -60,9 +60,14 @@ def cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, pool: BlockPool, hasher: BlockHasher, *,
-        max_model_len: int, eos_token_ids: tuple[int, ...],
-    ):  # fmt: skip
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        hasher: BlockHasher,
+        *,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ):
         self.config = config
         self.pool = pool
         self.hasher = hasher
@@ -191,9 +196,11 @@ class Scheduler:
             parent = req.block_hashes[-1] if req.block_hashes else None
             req.block_hashes.extend(
                 self.hasher.hash_blocks(
-                    req.all_token_ids[: full * self.block_size], cache_salt=req.cache_salt,
-                    parent=parent, start_block=len(req.block_hashes),
-                )  # fmt: skip
+                    req.all_token_ids[: full * self.block_size],
+                    cache_salt=req.cache_salt,
+                    parent=parent,
+                    start_block=len(req.block_hashes),
+                )
             )
         for i in range(req.num_indexed_blocks, full):
             self.pool.cache_full_block(req.block_ids[i], req.block_hashes[i])

@@ -38,19 +38,25 @@ class BlockHasher:
     hash_fn: HashFn = sha256_128
 
     def root(self, cache_salt: str | None = None) -> BlockHash:
-        salt = "" if cache_salt is None else cache_salt
-        extra = f"baton-kv\x00{self.namespace}\x00salt={len(salt)}:{salt}".encode()
+        salt = "-" if cache_salt is None else f"{len(cache_salt)}:{cache_salt}"
+        extra = f"baton-kv\x00{self.namespace}\x00salt={salt}".encode()
         return BlockHash(self.hash_fn(extra))
 
     def chain(self, parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
         if len(tokens) != self.block_size:
-            raise ValueError(f"a block id covers exactly {self.block_size} tokens, got {len(tokens)}")
+            raise ValueError(
+                f"a block id covers exactly {self.block_size} tokens, got {len(tokens)}"
+            )
         return BlockHash(self.hash_fn(parent + struct.pack(f"<{len(tokens)}I", *tokens)))
 
     def hash_blocks(
-        self, token_ids: Sequence[int], *, cache_salt: str | None = None,
-        parent: BlockHash | None = None, start_block: int = 0,
-    ) -> list[BlockHash]:  # fmt: skip
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        parent: BlockHash | None = None,
+        start_block: int = 0,
+    ) -> list[BlockHash]:
         """Ids of the full blocks of ``token_ids`` from block ``start_block`` on.
 
         ``parent`` is the id of block ``start_block - 1`` (or the root when 0).

@@ -37,7 +37,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._blocks = [_Block(BlockId(i)) for i in range(num_blocks)]
         # free blocks in eviction order (least recently freed first)
-        self._free: OrderedDict[BlockId, None] = OrderedDict((b.block_id, None) for b in self._blocks)
+        self._free: OrderedDict[BlockId, None] = OrderedDict(
+            (b.block_id, None) for b in self._blocks
+        )
         self._cached: dict[BlockHash, BlockId] = {}
 
     @property

@@ -45,7 +45,10 @@ class LlamaArch:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and cfg.get("model_type") != "llama":
+        if (
+            not any(a in SUPPORTED_ARCHITECTURES for a in archs)
+            and cfg.get("model_type") != "llama"
+        ):
             raise UnsupportedModelError(
                 f"architecture {archs} is not supported; Baton implements {SUPPORTED_ARCHITECTURES}"
             )
@@ -112,7 +115,8 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
         return None
     if kind not in SUPPORTED_ROPE_SCALING:
         raise UnsupportedModelError(
-            f"rope_scaling type {kind!r} is not supported; Baton implements {SUPPORTED_ROPE_SCALING}"
+            f"rope_scaling type {kind!r} is not supported; "
+            f"Baton implements {SUPPORTED_ROPE_SCALING}"
         )
     return RopeScaling(
         rope_type=str(kind),

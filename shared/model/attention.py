@@ -29,9 +29,13 @@ class DecodeBatch:
 
     @classmethod
     def build(
-        cls, block_tables: list[list[int]], context_lens: list[int], block_size: int,
-        num_kv_heads: int, device: str,
-    ) -> DecodeBatch:  # fmt: skip
+        cls,
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        block_size: int,
+        num_kv_heads: int,
+        device: str,
+    ) -> DecodeBatch:
         max_len = max(context_lens)
         pos = torch.arange(max_len)
         width = (max_len + block_size - 1) // block_size
@@ -70,18 +74,24 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     meta: AttentionMetadata,
-) -> None:  # fmt: skip
+) -> None:
     """Store the new tokens' K/V (``[N, kv_heads, head_dim]``) into their slots."""
     k_pool[meta.slot_blocks, :, meta.slot_offsets] = k
     v_pool[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
 def paged_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``q``: ``[N, heads, head_dim]`` -> output ``[N, heads, head_dim]``."""
     out = torch.empty_like(q)
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -100,10 +110,16 @@ def paged_attention(
     block_size = k_pool.shape[2]
     for seg in meta.prefills:
         n_blocks = seg.block_table.shape[0]
-        keys = k_pool[seg.block_table].transpose(0, 1).reshape(kv_heads, n_blocks * block_size,
-                                                              head_dim)[:, : seg.context_len]
-        values = v_pool[seg.block_table].transpose(0, 1).reshape(kv_heads, n_blocks * block_size,
-                                                                head_dim)[:, : seg.context_len]
+        keys = (
+            k_pool[seg.block_table]
+            .transpose(0, 1)
+            .reshape(kv_heads, n_blocks * block_size, head_dim)[:, : seg.context_len]
+        )
+        values = (
+            v_pool[seg.block_table]
+            .transpose(0, 1)
+            .reshape(kv_heads, n_blocks * block_size, head_dim)[:, : seg.context_len]
+        )
         qs = q[seg.start : seg.end].transpose(0, 1)  # [heads, n, hd]
         prefix = seg.context_len - seg.num_new
         mask = None
@@ -111,8 +127,13 @@ def paged_attention(
             rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
             mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(
-            qs[None], keys[None], values[None], attn_mask=mask, is_causal=prefix == 0,
-            scale=scale, enable_gqa=True,
-        )  # fmt: skip
+            qs[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=prefix == 0,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     return out

@@ -111,7 +111,9 @@ def _arch_from_meta(meta: dict[str, Any], has_output: bool) -> LlamaArch:
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's convert permute: interleaved RoPE pairs -> rotate-half halves."""
     out_dim = w.shape[0]
-    return w.reshape(n_head, out_dim // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, out_dim // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def read_gguf(path: Path) -> GGUFModel:
@@ -121,7 +123,9 @@ def read_gguf(path: Path) -> GGUFModel:
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise UnsupportedModelError("GGUF rope_freqs (llama3-style frequency factors) not supported")
+        raise UnsupportedModelError(
+            "GGUF rope_freqs (llama3-style frequency factors) not supported"
+        )
     arch = _arch_from_meta(meta, has_output="output.weight" in names)
     tokenizer = build_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from shared.errors import UnsupportedModelError
+from shared.errors import ModelFormatError, UnsupportedModelError
 
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_REGEX = (
@@ -49,8 +49,10 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
             f"GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(_PRE_TOKENIZERS)}"
         )
     split_digits, regex = _PRE_TOKENIZERS[pre]
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelFormatError("GGUF metadata lacks tokenizer.ggml.tokens")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     steps: list[Any] = []

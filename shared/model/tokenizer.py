@@ -1,4 +1,4 @@
-"""Tokenizer and chat template of a model folder (``tokenizer.json`` + ``tokenizer_config.json``)."""
+"""Tokenizer and chat template of a model folder (tokenizer.json, tokenizer_config.json)."""
 
 from __future__ import annotations
 

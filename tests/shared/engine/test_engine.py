@@ -24,7 +24,7 @@ def _prompts(loaded: LoadedModel) -> list[list[int]]:
         "In 1969, astronauts landed on the Moon. Describe the mission in detail, including "
         "the crew, the spacecraft, the landing site and what they brought back to Earth.",
         "Python is a programming language. " * 7,
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    ",
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    ',
         "Once upon a time, in a kingdom far away, there lived a princess who " * 3,
     ]
     return [loaded.tokenizer.encode(t) for t in texts]
@@ -83,30 +83,41 @@ def test_prefix_cache_hit_gives_same_tokens(make_engine: EngineFactory, loaded_f
 
 def test_seeded_sampling_is_reproducible(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
     prompts = _prompts(loaded_fp32)[:4]
-    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=s)
-              for s in range(4)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=s)
+        for s in range(4)
+    ]
     first = make_engine().generate(prompts, params)
     # same seeds, other batch composition and order
     second = make_engine().generate(prompts[::-1], params[::-1])[::-1]
     assert [f.token_ids for f in first] == [s.token_ids for s in second]
-    other = make_engine().generate(prompts, [SamplingParams(max_tokens=20, temperature=0.9,
-                                                            seed=s + 100) for s in range(4)])
+    other = make_engine().generate(
+        prompts, [SamplingParams(max_tokens=20, temperature=0.9, seed=s + 100) for s in range(4)]
+    )
     assert [f.token_ids for f in first] != [o.token_ids for o in other]
 
 
-def test_regenerating_from_any_position_reproduces_the_rest(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_regenerating_from_any_position_reproduces_the_rest(
+    make_engine: EngineFactory, loaded_fp32
+) -> None:  # type: ignore[no-untyped-def]
     prompt = _prompts(loaded_fp32)[2]
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
     full = make_engine().generate([prompt], params)[0].token_ids
     for cut in (1, 7, 16, 23):
-        rest = make_engine().generate(
-            [prompt + full[:cut]],
-            SamplingParams(max_tokens=24 - cut, temperature=1.0, seed=1234, ignore_eos=True),
-        )[0].token_ids
+        rest = (
+            make_engine()
+            .generate(
+                [prompt + full[:cut]],
+                SamplingParams(max_tokens=24 - cut, temperature=1.0, seed=1234, ignore_eos=True),
+            )[0]
+            .token_ids
+        )
         assert rest == full[cut:], cut
 
 
-def test_preemption_under_kv_pressure_keeps_outputs(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_preemption_under_kv_pressure_keeps_outputs(
+    make_engine: EngineFactory, loaded_fp32
+) -> None:  # type: ignore[no-untyped-def]
     prompts = _prompts(loaded_fp32)
     reference = make_engine().generate(prompts, GREEDY)
     # 20 blocks of 16 tokens cannot hold all 8 sequences at once
@@ -159,9 +170,17 @@ def test_bad_input_is_rejected(make_engine: EngineFactory) -> None:
         engine.add_request([10**9], GREEDY)
     with pytest.raises(RequestTooLongError, match="context length"):
         engine.add_request([1] * 8190, SamplingParams(max_tokens=16))
-    for bad in ({"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -0.5},
-                {"top_p": 0.0}, {"top_k": 0}, {"logprobs": 21}, {"presence_penalty": 3.0},
-                {"temperature": float("nan")}, {"stop": ("",)}):  # fmt: skip
+    for bad in (
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+        {"top_k": 0},
+        {"logprobs": 21},
+        {"presence_penalty": 3.0},
+        {"temperature": float("nan")},
+        {"stop": ("",)},
+    ):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)  # type: ignore[arg-type]
     assert not engine.has_unfinished()
@@ -170,8 +189,18 @@ def test_bad_input_is_rejected(make_engine: EngineFactory) -> None:
 def test_penalties_discourage_repeats(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
     prompt = loaded_fp32.tokenizer.encode("Repeat after me: la la la la la la la la")
     plain = make_engine().generate([prompt], GREEDY)[0].token_ids
-    penal = make_engine().generate(
-        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                 frequency_penalty=2.0, presence_penalty=2.0),
-    )[0].token_ids  # fmt: skip
+    penal = (
+        make_engine()
+        .generate(
+            [prompt],
+            SamplingParams(
+                max_tokens=24,
+                temperature=0,
+                ignore_eos=True,
+                frequency_penalty=2.0,
+                presence_penalty=2.0,
+            ),
+        )[0]
+        .token_ids
+    )
     assert len(set(penal)) > len(set(plain))

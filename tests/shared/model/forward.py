@@ -19,9 +19,13 @@ def new_cache(loaded: LoadedModel, num_blocks: int = 64) -> KVCache:
 
 
 def prefill_logits(
-    loaded: LoadedModel, ids: list[int], *, start: int = 0, cache: KVCache | None = None,
+    loaded: LoadedModel,
+    ids: list[int],
+    *,
+    start: int = 0,
+    cache: KVCache | None = None,
     blocks: list[int] | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Logits of every row of ``ids[start:]``, computed on top of KV already at ``[0, start)``."""
     cache = cache or new_cache(loaded)
     blocks = blocks or list(range(-(-len(ids) // BLOCK)))

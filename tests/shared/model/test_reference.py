@@ -25,7 +25,9 @@ def hf_model(cache_dir: Path):  # type: ignore[no-untyped-def]
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok = transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
     return model.eval(), tok
 
 

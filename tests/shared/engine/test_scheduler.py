@@ -1,0 +1,200 @@
+"""Scheduler logic with a real BlockPool and BlockHasher, no model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from shared.config import SchedulerConfig
+from shared.engine.request import FinishReason, Request, RequestId, RequestStatus, SampledToken
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.errors import RequestTooLongError
+from shared.kv.block_hash import BlockHasher
+from shared.kv.block_pool import BlockPool
+
+EOS = 2
+_ids = itertools.count()
+
+
+def make(
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_seqs: int = 8,
+    block_size: int = 4,
+    chunked: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked
+        ),
+        BlockPool(num_blocks),
+        BlockHasher(namespace="test", block_size=block_size),
+        max_model_len=256,
+        eos_token_ids=(EOS,),
+    )
+
+
+def req(n_prompt: int, max_tokens: int = 4, first: int = 10) -> Request:
+    return Request(
+        request_id=RequestId(f"r{next(_ids)}"),
+        prompt_token_ids=list(range(first, first + n_prompt)),
+        params=SamplingParams(max_tokens=max_tokens, temperature=0),
+        seed=0,
+        arrival=0.0,
+    )
+
+
+def run_step(s: Scheduler, token: int = 100) -> SchedulerOutput:
+    """Schedule and pretend the model sampled ``token`` for every sampling request."""
+    out = s.schedule()
+    s.update(out, {x.request.request_id: SampledToken(token) for x in out.scheduled if x.samples})
+    return out
+
+
+def test_prefill_then_decode_then_length_finish() -> None:
+    s = make()
+    r = req(10, max_tokens=3)
+    s.add(r)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(r, 10)]
+    assert r.num_computed_tokens == 10 and r.output_token_ids == [100]
+    assert len(r.block_ids) == 3
+    out = run_step(s)
+    assert out.scheduled[0].num_new_tokens == 1
+    run_step(s)
+    assert r.is_finished and r.finish_reason is FinishReason.LENGTH
+    assert s.pool.num_free == s.pool.num_blocks
+    assert not s.has_unfinished()
+
+
+def test_eos_finishes_with_stop_unless_ignored() -> None:
+    s = make()
+    r = req(5)
+    s.add(r)
+    run_step(s, token=EOS)
+    assert r.finish_reason is FinishReason.STOP
+
+
+def test_token_budget_chunks_long_prompts() -> None:
+    s = make(budget=8)
+    r = req(20)
+    s.add(r)
+    sizes = []
+    while not r.output_token_ids:
+        out = run_step(s)
+        sizes.append(out.num_batched_tokens)
+        assert out.num_batched_tokens <= 8
+    assert sizes == [8, 8, 4]
+    assert r.num_computed_tokens == 20
+
+
+def test_decodes_share_the_step_with_a_new_prefill() -> None:
+    s = make(budget=16)
+    a = req(4, max_tokens=10)
+    s.add(a)
+    run_step(s)
+    b = req(30, first=50)
+    s.add(b)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 15)]
+
+
+def test_without_chunking_a_long_prompt_waits_for_an_empty_step() -> None:
+    s = make(budget=16, chunked=False)
+    a = req(4, max_tokens=10)
+    s.add(a)
+    run_step(s)
+    b = req(30, first=50)
+    s.add(b)
+    out = run_step(s)
+    assert [x.request for x in out.scheduled] == [a]
+
+
+def test_max_num_seqs_limits_the_batch() -> None:
+    s = make(max_seqs=2)
+    rs = [req(4) for _ in range(3)]
+    for r in rs:
+        s.add(r)
+    out = run_step(s)
+    assert {x.request.request_id for x in out.scheduled} == {rs[0].request_id, rs[1].request_id}
+    assert rs[2].status is RequestStatus.WAITING
+
+
+def test_prefix_cache_hit_skips_computed_blocks_but_keeps_one_token() -> None:
+    s = make()
+    a = req(12, max_tokens=1)
+    s.add(a)
+    run_step(s)
+    assert a.is_finished
+    b = req(12, max_tokens=1)  # same tokens
+    s.add(b)
+    out = run_step(s)
+    # 12 tokens = 3 full blocks; the last block is recomputed so the last token has logits
+    assert b.num_cached_tokens == 8
+    assert out.scheduled[0].num_new_tokens == 4
+    c = req(14, max_tokens=1)  # shares 3 full blocks with a
+    s.add(c)
+    run_step(s)
+    assert c.num_cached_tokens == 12
+
+
+def test_admission_waits_for_free_blocks() -> None:
+    s = make(num_blocks=4)
+    a = req(12, max_tokens=4)  # 3 blocks, grows to 4
+    b = req(8, max_tokens=1, first=60)
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert [x.request for x in out.scheduled] == [a]
+    assert b.status is RequestStatus.WAITING
+
+
+def test_preemption_frees_the_latest_request_and_resumes_it() -> None:
+    s = make(num_blocks=5, budget=64)
+    a = req(8, max_tokens=12)
+    b = req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # 2 + 2 blocks in use, 1 free
+    preempted = []
+    for _ in range(40):
+        if not s.has_unfinished():
+            break
+        preempted += run_step(s).preempted
+    assert b.request_id in preempted
+    assert a.is_finished and b.is_finished
+    assert len(a.output_token_ids) == 12 and len(b.output_token_ids) == 12
+    assert s.pool.num_free == 5
+
+
+def test_abort_anywhere_frees_blocks() -> None:
+    s = make()
+    a, b = req(8), req(8, first=70)
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    assert s.finish(a.request_id, FinishReason.ABORT) is a
+    assert s.finish(b.request_id, FinishReason.ABORT) is b
+    assert s.finish(b.request_id, FinishReason.ABORT) is None
+    assert s.pool.num_free == s.pool.num_blocks
+    assert not s.has_unfinished()
+
+
+def test_abort_during_step_discards_its_result() -> None:
+    s = make()
+    a = req(8)
+    s.add(a)
+    out = s.schedule()
+    s.finish(a.request_id, FinishReason.ABORT)
+    assert s.update(out, {a.request_id: SampledToken(5)}) == []
+    assert a.output_token_ids == []
+
+
+def test_requests_that_can_never_fit_are_rejected() -> None:
+    s = make(num_blocks=4)
+    with pytest.raises(RequestTooLongError):
+        s.add(req(200, max_tokens=100))  # over max_model_len
+    with pytest.raises(RequestTooLongError):
+        s.add(req(20, max_tokens=4))  # more blocks than the pool has
