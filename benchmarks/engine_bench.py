@@ -1,0 +1,209 @@
+"""Engine throughput next to transformers, same weights, same process, same thread count.
+
+Prefill tokens/s at several prompt lengths and decode tokens/s at several batch
+sizes (context 512), for each dtype and thread count. Every figure is the
+median of ``--repeats`` runs, and each of ours is printed as a time ratio to
+transformers measured right beside it (ratio < 1.0: we are faster).
+
+    python -m benchmarks.engine_bench --out bench-results/engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import LoadedModel, load_model
+
+
+def median_time(fn: Callable[[], float], repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def prompt_ids(n: int, salt: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(1000 + salt)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+
+class Ours:
+    def __init__(self, loaded: LoadedModel, dtype: str):
+        cfg = EngineConfig(
+            dtype=dtype,  # type: ignore[arg-type]
+            cache=CacheConfig(kv_cache_bytes=2 << 30, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=128),
+        )
+        self.engine = Engine(loaded, cfg)
+        self.vocab = loaded.arch.vocab_size
+        self._salt = 0
+
+    def _fresh(self, n: int) -> list[int]:
+        self._salt += 1
+        return prompt_ids(n, self._salt, self.vocab)
+
+    def prefill(self, n: int) -> float:
+        self.engine.add_request(
+            self._fresh(n), SamplingParams(max_tokens=1, temperature=0), detokenize=False
+        )
+        t0 = time.perf_counter()
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return time.perf_counter() - t0
+
+    def decode(self, batch: int, ctx: int, steps: int) -> float:
+        params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+        rids = [
+            self.engine.add_request(self._fresh(ctx), params, detokenize=False)
+            for _ in range(batch)
+        ]
+        started: set[str] = set()
+        while len(started) < len(rids):  # prefill every sequence first
+            started.update(o.request_id for o in self.engine.step())
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.engine.step()
+        dt = time.perf_counter() - t0
+        if self.engine.has_unfinished():
+            raise RuntimeError("decode benchmark left requests running")
+        return dt
+
+
+class Transformers:
+    def __init__(self, folder: Path, dtype: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=getattr(torch, dtype)
+        ).eval()
+        self.vocab = self.model.config.vocab_size
+        self._salt = 10_000
+
+    def _fresh(self, n: int, batch: int = 1) -> torch.Tensor:
+        rows = []
+        for _ in range(batch):
+            self._salt += 1
+            rows.append(prompt_ids(n, self._salt, self.vocab))
+        return torch.tensor(rows)
+
+    @torch.inference_mode()
+    def prefill(self, n: int) -> float:
+        ids = self._fresh(n)
+        t0 = time.perf_counter()
+        out = self.model(ids, use_cache=True, logits_to_keep=1)
+        out.logits[:, -1].argmax(-1)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def decode(self, batch: int, ctx: int, steps: int) -> float:
+        """The loop inside ``generate`` (greedy, KV cache), without its per-call overhead."""
+        out = self.model(self._fresh(ctx, batch), use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = self.model(nxt, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    for dtype in args.dtypes:
+        results.extend(run_dtype(args, dtype))
+    return {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "results": results,
+        "summary": _summary(results),
+    }
+
+
+def run_dtype(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]:
+    loaded = load_model(None, cache_dir=args.cache_dir, dtype=dtype, progress=False)
+    ours = Ours(loaded, dtype)
+    ref = Transformers(loaded.folder, dtype)
+    rows: list[dict[str, Any]] = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for n in args.prefill:
+            t_ours = median_time(lambda n=n: ours.prefill(n), args.repeats)
+            t_ref = median_time(lambda n=n: ref.prefill(n), args.repeats)
+            rows.append(_row("prefill", dtype, threads, n, n, t_ours, t_ref))
+            _print(rows[-1])
+        for b in args.batch:
+            t_ours = median_time(lambda b=b: ours.decode(b, args.ctx, args.steps), args.repeats)
+            t_ref = median_time(lambda b=b: ref.decode(b, args.ctx, args.steps), args.repeats)
+            rows.append(_row("decode", dtype, threads, b, b * args.steps, t_ours, t_ref))
+            _print(rows[-1])
+    return rows
+
+
+def _row(
+    kind: str, dtype: str, threads: int, size: int, tokens: int, t_ours: float, t_ref: float
+) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "dtype": dtype,
+        "threads": threads,
+        "size": size,
+        "ours_tok_s": tokens / t_ours,
+        "transformers_tok_s": tokens / t_ref,
+        "time_ratio": t_ours / t_ref,
+    }
+
+
+def _print(r: dict[str, Any]) -> None:
+    label = "prompt" if r["kind"] == "prefill" else "batch"
+    print(
+        f"{r['kind']:7s} {r['dtype']:8s} threads={r['threads']} {label}={r['size']:<5d} "
+        f"ours {r['ours_tok_s']:8.1f} tok/s  transformers {r['transformers_tok_s']:8.1f} tok/s  "
+        f"time ratio {r['time_ratio']:.2f}",
+        flush=True,
+    )
+
+
+def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dtype in {r["dtype"] for r in results}:
+        for threads in {r["threads"] for r in results}:
+            dec = {
+                r["size"]: r["ours_tok_s"]
+                for r in results
+                if r["kind"] == "decode" and r["dtype"] == dtype and r["threads"] == threads
+            }
+            if 1 in dec and 32 in dec:
+                out[f"{dtype}/t{threads}/batch32_over_batch1"] = dec[32] / dec[1]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--prefill", nargs="+", type=int, default=[128, 512, 1024, 2048])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    report = run(args)
+    print(json.dumps(report["summary"], indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
