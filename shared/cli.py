@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from shared.config import BatonSettings, EngineConfig
 from shared.errors import BatonError, InvalidRequestError
 from shared.kv.layout import torch_dtype
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with ids and timings"
     )
@@ -59,8 +62,10 @@ def _settings(args: argparse.Namespace) -> BatonSettings:
         overrides["cache_dir"] = args.cache_dir
     if getattr(args, "dtype", None):
         overrides["dtype"] = args.dtype
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
         overrides["num_threads"] = args.threads
+    if getattr(args, "device", None):
+        overrides["device"] = args.device
     return BatonSettings(**overrides)  # type: ignore[arg-type]
 
 
@@ -157,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_generate(args)
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        print(f"baton: error: invalid setting: {problems}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -95,12 +95,13 @@ class LlamaModel:
         q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.at(positions)
         for idx, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
             qkv = F.linear(x, lw.qkv)
-            q = self.rope.apply(qkv[:, :q_dim].view(n, a.num_heads, a.head_dim), positions)
-            k = self.rope.apply(
-                qkv[:, q_dim : q_dim + kv_dim].view(n, a.num_kv_heads, a.head_dim), positions
+            q = Rope.apply(qkv[:, :q_dim].view(n, a.num_heads, a.head_dim), cos, sin)
+            k = Rope.apply(
+                qkv[:, q_dim : q_dim + kv_dim].view(n, a.num_kv_heads, a.head_dim), cos, sin
             )
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)

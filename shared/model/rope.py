@@ -41,10 +41,13 @@ class Rope:
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[N, heads, head_dim]``; ``positions``: ``[N]``."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[N, 1, head_dim]`` for ``positions`` (gathered once per forward)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (``[N, heads, head_dim]``) by the angles :meth:`at` returned."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

@@ -101,6 +101,14 @@ def test_bad_input_gets_a_clear_error(cache_dir: Path, args: tuple[str, ...], me
     assert "Traceback" not in proc.stderr
 
 
+def test_bad_setting_in_the_environment(cache_dir: Path) -> None:
+    proc = baton("generate", "--prompt", "hi", cache_dir=cache_dir, env={"BATON_DTYPE": "int8"})
+    assert proc.returncode == 2 and "invalid setting: dtype" in proc.stderr
+    proc = baton("generate", "--prompt", "hi", "--threads", "0", cache_dir=cache_dir)
+    assert proc.returncode == 2 and "num_threads" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_corrupt_model_file(cache_dir: Path, tmp_path: Path) -> None:
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(4096))

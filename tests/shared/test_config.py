@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from shared.config import BatonSettings
+
+
+def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_MODEL", "/models/x.gguf")
+    monkeypatch.setenv("BATON_DTYPE", "bfloat16")
+    monkeypatch.setenv("BATON_KV_CACHE_GB", "0.5")
+    monkeypatch.setenv("BATON_MAX_NUM_BATCHED_TOKENS", "512")
+    monkeypatch.setenv("BATON_ENABLE_PREFIX_CACHING", "false")
+    cfg = BatonSettings().engine_config()
+    assert cfg.model == "/models/x.gguf" and cfg.dtype == "bfloat16"
+    assert cfg.cache.kv_cache_bytes == 1 << 29 and not cfg.cache.enable_prefix_caching
+    assert cfg.scheduler.max_num_batched_tokens == 512
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("BATON_DTYPE", "int8"),
+        ("BATON_BLOCK_SIZE", "0"),
+        ("BATON_KV_CACHE_GB", "-1"),
+        ("BATON_NUM_THREADS", "0"),
+    ],
+)
+def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError):
+        BatonSettings()
