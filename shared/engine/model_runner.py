@@ -55,7 +55,6 @@ class ModelRunner:
                 [list(s.request.block_ids) for s in decodes],
                 [s.request.num_computed_tokens + 1 for s in decodes],
                 bs,
-                self.model.arch.num_kv_heads,
                 self.device,
             )
         meta = AttentionMetadata(

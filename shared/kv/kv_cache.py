@@ -36,7 +36,7 @@ class KVCache:
         return cls(layout, max(1, nbytes // layout.block_bytes), device)
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, kv_heads, block_size, head_dim]`` of layer ``idx``'s K and V."""
+        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``idx``'s K and V."""
         return self.pool[:, idx, 0], self.pool[:, idx, 1]
 
     def block(self, block_id: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The byte layout of one KV block, shared by the engine, the store and the transport.
 
 A block holds K and V of ``block_size`` tokens for every layer in one
-contiguous buffer, layer-major: ``[num_layers, 2 (K, V), num_kv_heads,
-block_size, head_dim]``. One layer's slice of many blocks is therefore one
+contiguous buffer, layer-major: ``[num_layers, 2 (K, V), block_size,
+num_kv_heads, head_dim]``. One layer's slice of many blocks is therefore one
 strided region (stride = ``block_bytes``, length = ``layer_bytes``).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -42,7 +42,7 @@ class KVLayout:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def itemsize(self) -> int:

@@ -4,10 +4,13 @@ Rows of the flattened batch are ordered: all decode rows first (one new token
 each), then each prefill segment's rows (several new tokens, possibly on top
 of KV already in the pool: a cached prefix or earlier chunks).
 
-Decode attention gathers each sequence's K/V window into one contiguous
-``[B, kv_heads, T, head_dim]`` tensor with a length mask and runs two batched
-matmuls: on CPU this is several times faster than SDPA with a single query
-token, and it avoids the slow strided-slice path (see DESIGN, pitfalls).
+Inside a block one layer's K (or V) is ``[block_size, kv_heads, head_dim]``,
+so gathering a sequence's blocks with ``index_select`` (whole blocks,
+memcpy-speed) directly yields its ``[T, kv_heads, head_dim]`` window with no
+permute copy. Decode attention then runs one batched matmul per KV head over
+that window with a length mask: on CPU this is several times faster than SDPA
+with a single query token or than gathering token slots one by one (see
+DESIGN, pitfalls).
 """
 
 from __future__ import annotations
@@ -20,33 +23,26 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """Gather indices for ``B`` decode rows whose longest context is ``T`` tokens."""
+    """``B`` decode rows whose block tables are padded to ``W`` blocks."""
 
-    gather_blocks: torch.Tensor  # [B, 1, T] block id of each context position
-    gather_offsets: torch.Tensor  # [1, 1, T] offset inside the block
-    heads: torch.Tensor  # [1, kv_heads, 1]
-    mask: torch.Tensor  # [B, 1, 1, T] True where the position is past the sequence's end
+    block_ids: torch.Tensor  # [B * W] row-major block tables, padded with each row's first block
+    mask: torch.Tensor  # [B, 1, W * block_size] True past the sequence's end
 
     @classmethod
     def build(
-        cls,
-        block_tables: list[list[int]],
-        context_lens: list[int],
-        block_size: int,
-        num_kv_heads: int,
-        device: str,
+        cls, block_tables: list[list[int]], context_lens: list[int], block_size: int, device: str
     ) -> DecodeBatch:
-        max_len = max(context_lens)
-        pos = torch.arange(max_len)
-        width = (max_len + block_size - 1) // block_size
-        table = torch.tensor([t[:width] + [t[0]] * (width - len(t[:width])) for t in block_tables])
-        blocks = table[:, pos // block_size]
+        width = -(-max(context_lens) // block_size)
+        flat: list[int] = []
+        for table in block_tables:
+            used = table[:width]
+            flat.extend(used)
+            flat.extend([used[0]] * (width - len(used)))
+        pos = torch.arange(width * block_size)
         lens = torch.tensor(context_lens)
         return cls(
-            gather_blocks=blocks[:, None, :].to(device),
-            gather_offsets=(pos % block_size)[None, None, :].to(device),
-            heads=torch.arange(num_kv_heads)[None, :, None].to(device),
-            mask=(pos[None, :] >= lens[:, None])[:, None, None, :].to(device),
+            block_ids=torch.tensor(flat, device=device),
+            mask=(pos[None, :] >= lens[:, None])[:, None, :].to(device),
         )
 
 
@@ -81,8 +77,54 @@ def write_kv(
     meta: AttentionMetadata,
 ) -> None:
     """Store the new tokens' K/V (``[N, kv_heads, head_dim]``) into their slots."""
-    k_pool[meta.slot_blocks, :, meta.slot_offsets] = k
-    v_pool[meta.slot_blocks, :, meta.slot_offsets] = v
+    k_pool[meta.slot_blocks, meta.slot_offsets] = k
+    v_pool[meta.slot_blocks, meta.slot_offsets] = v
+
+
+def _decode(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, d: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """``q``: ``[B, heads, head_dim]`` one token per row."""
+    b, n_heads, head_dim = q.shape
+    kv_heads = k_pool.shape[2]
+    group = n_heads // kv_heads
+    window = d.mask.shape[-1]
+    keys = k_pool.index_select(0, d.block_ids).view(b, window, kv_heads, head_dim)
+    values = v_pool.index_select(0, d.block_ids).view(b, window, kv_heads, head_dim)
+    qg = q.view(b, kv_heads, group, head_dim)
+    out = torch.empty_like(qg)
+    for h in range(kv_heads):
+        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).float() * scale  # [B, g, T]
+        scores.masked_fill_(d.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out[:, h] = torch.bmm(probs, values[:, :, h])
+    return out.view(b, n_heads, head_dim)
+
+
+def _prefill(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seg: PrefillSegment, scale: float
+) -> torch.Tensor:
+    """``q``: ``[n, heads, head_dim]``, the segment's new tokens."""
+    kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    keys = k_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
+    values = v_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
+    keys = keys[: seg.context_len].transpose(0, 1)  # [kvh, T, hd]
+    values = values[: seg.context_len].transpose(0, 1)
+    prefix = seg.context_len - seg.num_new
+    mask = None
+    if prefix > 0:  # bottom-right aligned causal mask over the cached prefix + new rows
+        rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
+        mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        is_causal=prefix == 0,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -92,48 +134,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """``q``: ``[N, heads, head_dim]`` -> output ``[N, heads, head_dim]``."""
+    """``q``: ``[N, heads, head_dim]``; pools ``[blocks, block_size, kv_heads, head_dim]``."""
     out = torch.empty_like(q)
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_pool.shape[1]
-    group = n_heads // kv_heads
+    b = meta.num_decodes
     if meta.decode is not None:
-        d = meta.decode
-        b = meta.num_decodes
-        keys = k_pool[d.gather_blocks, d.heads, d.gather_offsets]  # [B, kvh, T, hd]
-        values = v_pool[d.gather_blocks, d.heads, d.gather_offsets]
-        qd = q[:b].view(b, kv_heads, group, head_dim)
-        scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [B, kvh, g, T]
-        scores.masked_fill_(d.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out[:b] = torch.matmul(probs, values).view(b, n_heads, head_dim)
-    block_size = k_pool.shape[2]
+        out[:b] = _decode(q[:b], k_pool, v_pool, meta.decode, scale)
     for seg in meta.prefills:
-        n_blocks = seg.block_table.shape[0]
-        keys = (
-            k_pool[seg.block_table]
-            .transpose(0, 1)
-            .reshape(kv_heads, n_blocks * block_size, head_dim)[:, : seg.context_len]
-        )
-        values = (
-            v_pool[seg.block_table]
-            .transpose(0, 1)
-            .reshape(kv_heads, n_blocks * block_size, head_dim)[:, : seg.context_len]
-        )
-        qs = q[seg.start : seg.end].transpose(0, 1)  # [heads, n, hd]
-        prefix = seg.context_len - seg.num_new
-        mask = None
-        if prefix > 0:
-            rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
-            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
-        o = F.scaled_dot_product_attention(
-            qs[None],
-            keys[None],
-            values[None],
-            attn_mask=mask,
-            is_causal=prefix == 0,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[seg.start : seg.end] = o[0].transpose(0, 1)
+        out[seg.start : seg.end] = _prefill(q[seg.start : seg.end], k_pool, v_pool, seg, scale)
     return out
