@@ -60,8 +60,9 @@ class Ours:
             self.engine.step()
         return time.perf_counter() - t0
 
-    def decode(self, batch: int, ctx: int, steps: int) -> float:
-        params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    def decode(self, batch: int, ctx: int, steps: int, windows: int) -> list[float]:
+        """Prefill ``batch`` sequences of ``ctx`` tokens, then time windows of ``steps`` steps."""
+        params = SamplingParams(max_tokens=steps * windows + 1, temperature=0, ignore_eos=True)
         rids = [
             self.engine.add_request(self._fresh(ctx), params, detokenize=False)
             for _ in range(batch)
@@ -69,13 +70,15 @@ class Ours:
         started: set[str] = set()
         while len(started) < len(rids):  # prefill every sequence first
             started.update(o.request_id for o in self.engine.step())
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.engine.step()
-        dt = time.perf_counter() - t0
+        times = []
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self.engine.step()
+            times.append(time.perf_counter() - t0)
         if self.engine.has_unfinished():
             raise RuntimeError("decode benchmark left requests running")
-        return dt
+        return times
 
 
 class Transformers:
@@ -104,17 +107,20 @@ class Transformers:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    def decode(self, batch: int, ctx: int, steps: int) -> float:
+    def decode(self, batch: int, ctx: int, steps: int, windows: int) -> list[float]:
         """The loop inside ``generate`` (greedy, KV cache), without its per-call overhead."""
         out = self.model(self._fresh(ctx, batch), use_cache=True, logits_to_keep=1)
         past = out.past_key_values
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = self.model(nxt, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - t0
+        times = []
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = self.model(nxt, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t0)
+        return times
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,8 +147,8 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]:
             rows.append(_row("prefill", dtype, threads, n, n, t_ours, t_ref))
             _print(rows[-1])
         for b in args.batch:
-            t_ours = median_time(lambda b=b: ours.decode(b, args.ctx, args.steps), args.repeats)
-            t_ref = median_time(lambda b=b: ref.decode(b, args.ctx, args.steps), args.repeats)
+            t_ours = statistics.median(ours.decode(b, args.ctx, args.steps, args.repeats))
+            t_ref = statistics.median(ref.decode(b, args.ctx, args.steps, args.repeats))
             rows.append(_row("decode", dtype, threads, b, b * args.steps, t_ours, t_ref))
             _print(rows[-1])
     return rows

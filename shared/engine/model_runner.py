@@ -2,18 +2,92 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from shared.engine.request import RequestId, SampledToken
 from shared.engine.sampler import SamplingRow, sample
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.kv.kv_cache import KVCache
-from shared.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from shared.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, SlotRun
 from shared.model.llama import LlamaModel
 
 
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # rows whose logits are sampled
+    sampled: tuple[ScheduledRequest, ...]  # in the order of logits_rows
+
+
+def prefill_runs(
+    row0: int, start: int, end: int, block_ids: Sequence[int], bs: int
+) -> list[SlotRun]:
+    """Split positions ``[start, end)`` (rows from ``row0``) into per-block slice copies."""
+    runs = []
+    pos = start
+    while pos < end:
+        length = min(bs - pos % bs, end - pos)
+        runs.append(SlotRun(row0 + pos - start, block_ids[pos // bs], pos % bs, length))
+        pos += length
+    return runs
+
+
+def build_input(step: SchedulerOutput, block_size: int, device: str) -> ModelInput:
+    """Flatten a step: decode rows first (one token each), then each prefill segment."""
+    decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
+    ids: list[int] = []
+    positions: list[int] = []
+    runs: list[SlotRun] = []
+    segments: list[PrefillSegment] = []
+    logits_rows: list[int] = []
+    sampled: list[ScheduledRequest] = []
+    for s in decodes + prefills:
+        req = s.request
+        start, row0 = req.num_computed_tokens, len(ids)
+        end = start + s.num_new_tokens
+        ids.extend(req.token_at(pos) for pos in range(start, end))
+        positions.extend(range(start, end))
+        if s.num_new_tokens > 1:
+            runs.extend(prefill_runs(row0, start, end, req.block_ids, block_size))
+            table = torch.tensor(req.block_ids[: -(-end // block_size)], device=device)
+            segments.append(PrefillSegment(row0, len(ids), table, end))
+        if s.samples:
+            logits_rows.append(len(ids) - 1)
+            sampled.append(s)
+    ctx = [s.request.num_computed_tokens + 1 for s in decodes]
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor(
+            [s.request.block_ids[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
+            dtype=torch.long,
+            device=device,
+        ),
+        slot_offsets=torch.tensor(
+            [(c - 1) % block_size for c in ctx], dtype=torch.long, device=device
+        ),
+        slot_runs=tuple(runs),
+        num_decodes=len(decodes),
+        decode=DecodeBatch.build([s.request.block_ids for s in decodes], ctx, block_size, device)
+        if decodes
+        else None,
+        prefills=tuple(segments),
+    )
+    return ModelInput(
+        input_ids=torch.tensor(ids, device=device),
+        positions=torch.tensor(positions, device=device),
+        meta=meta,
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        sampled=tuple(sampled),
+    )
+
+
 class ModelRunner:
-    """Owns the model weights' use and the KV pool tensors of one engine."""
+    """Runs the model for one engine over its KV pool (which it owns for the engine's life)."""
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache):
         self.model = model
@@ -22,62 +96,17 @@ class ModelRunner:
         self.device = model.device
 
     def execute(self, step: SchedulerOutput) -> dict[RequestId, SampledToken]:
-        decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        segments: list[PrefillSegment] = []
-        logits_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        bs = self.block_size
-        for s in ordered:
-            req = s.request
-            start = req.num_computed_tokens
-            row0 = len(ids)
-            for pos in range(start, start + s.num_new_tokens):
-                ids.append(req.token_at(pos))
-                positions.append(pos)
-                slot_blocks.append(req.block_ids[pos // bs])
-                slot_offsets.append(pos % bs)
-            if s.num_new_tokens > 1:
-                ctx = start + s.num_new_tokens
-                table = torch.tensor(req.block_ids[: -(-ctx // bs)], device=self.device)
-                segments.append(PrefillSegment(row0, len(ids), table, ctx))
-            if s.samples:
-                logits_rows.append(len(ids) - 1)
-                sampled.append(s)
-        decode = None
-        if decodes:
-            decode = DecodeBatch.build(
-                [list(s.request.block_ids) for s in decodes],
-                [s.request.num_computed_tokens + 1 for s in decodes],
-                bs,
-                self.device,
-            )
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, device=self.device),
-            slot_offsets=torch.tensor(slot_offsets, device=self.device),
-            num_decodes=len(decodes),
-            decode=decode,
-            prefills=tuple(segments),
-        )
+        inp = build_input(step, self.block_size, self.device)
         logits = self.model.forward(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            self.kv_cache,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.logits_rows
         )
-        if not sampled:
+        if not inp.sampled:
             return {}
         rows = [
             SamplingRow(
                 s.request.params, s.request.seed, s.request.num_tokens, s.request.output_token_ids
             )
-            for s in sampled
+            for s in inp.sampled
         ]
         tokens = sample(logits, rows)
-        return {s.request.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+        return {s.request.request_id: t for s, t in zip(inp.sampled, tokens, strict=True)}

@@ -15,6 +15,7 @@ DESIGN, pitfalls).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +31,16 @@ class DecodeBatch:
 
     @classmethod
     def build(
-        cls, block_tables: list[list[int]], context_lens: list[int], block_size: int, device: str
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        block_size: int,
+        device: str,
     ) -> DecodeBatch:
         width = -(-max(context_lens) // block_size)
         flat: list[int] = []
         for table in block_tables:
-            used = table[:width]
+            used = list(table[:width])
             flat.extend(used)
             flat.extend([used[0]] * (width - len(used)))
         pos = torch.arange(width * block_size)
@@ -61,9 +66,20 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class SlotRun:
+    """Rows ``[row, row + length)`` go to offsets ``[offset, offset + length)`` of ``block``."""
+
+    row: int
+    block: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [N] block receiving each new token's K/V
-    slot_offsets: torch.Tensor  # [N] offset inside that block
+    slot_blocks: torch.Tensor  # [num_decodes] block receiving each decode row's K/V
+    slot_offsets: torch.Tensor  # [num_decodes] offset inside that block
+    slot_runs: tuple[SlotRun, ...]  # where the prefill rows' K/V go, one slice copy per run
     num_decodes: int
     decode: DecodeBatch | None
     prefills: tuple[PrefillSegment, ...]
@@ -76,9 +92,19 @@ def write_kv(
     v: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
-    """Store the new tokens' K/V (``[N, kv_heads, head_dim]``) into their slots."""
-    k_pool[meta.slot_blocks, meta.slot_offsets] = k
-    v_pool[meta.slot_blocks, meta.slot_offsets] = v
+    """Store the new tokens' K/V (``[N, kv_heads, head_dim]``) into their slots.
+
+    Decode rows scatter with one indexed write; prefill rows are contiguous
+    within a block, so each run is a plain slice copy (an indexed write of a
+    long prompt is ~10x slower on CPU).
+    """
+    b = meta.num_decodes
+    if b:
+        k_pool[meta.slot_blocks, meta.slot_offsets] = k[:b]
+        v_pool[meta.slot_blocks, meta.slot_offsets] = v[:b]
+    for r in meta.slot_runs:
+        k_pool[r.block, r.offset : r.offset + r.length] = k[r.row : r.row + r.length]
+        v_pool[r.block, r.offset : r.offset + r.length] = v[r.row : r.row + r.length]
 
 
 def _decode(

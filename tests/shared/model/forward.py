@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.model_runner import prefill_runs
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
 from shared.model.attention import AttentionMetadata, PrefillSegment
@@ -32,8 +33,9 @@ def prefill_logits(
     pos = torch.arange(start, len(ids))
     n = len(ids) - start
     meta = AttentionMetadata(
-        slot_blocks=torch.tensor(blocks)[pos // BLOCK],
-        slot_offsets=pos % BLOCK,
+        slot_blocks=torch.empty(0, dtype=torch.long),
+        slot_offsets=torch.empty(0, dtype=torch.long),
+        slot_runs=tuple(prefill_runs(0, start, len(ids), blocks, BLOCK)),
         num_decodes=0,
         decode=None,
         prefills=(PrefillSegment(0, n, torch.tensor(blocks[: -(-len(ids) // BLOCK)]), len(ids)),),
