@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,18 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel, load_model
 
 
-def median_time(fn: Callable[[], float], repeats: int) -> float:
-    fn()  # warm-up
-    return statistics.median(fn() for _ in range(repeats))
+def paired(a: Callable[[], float], b: Callable[[], float], repeats: int) -> tuple[float, float]:
+    """Median times of ``a`` and ``b`` run alternately (ABAB...), after one warm-up each.
+
+    Alternating spreads the machine's noise over both sides of the ratio.
+    """
+    a()
+    b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(a())
+        tb.append(b())
+    return statistics.median(ta), statistics.median(tb)
 
 
 def prompt_ids(n: int, salt: int, vocab: int) -> list[int]:
@@ -60,25 +70,26 @@ class Ours:
             self.engine.step()
         return time.perf_counter() - t0
 
-    def decode(self, batch: int, ctx: int, steps: int, windows: int) -> list[float]:
-        """Prefill ``batch`` sequences of ``ctx`` tokens, then time windows of ``steps`` steps."""
-        params = SamplingParams(max_tokens=steps * windows + 1, temperature=0, ignore_eos=True)
+    def start_decode(self, batch: int, ctx: int, total_steps: int) -> None:
+        """Prefill ``batch`` sequences of ``ctx`` tokens that then decode ``total_steps`` tokens."""
+        params = SamplingParams(max_tokens=total_steps + 1, temperature=0, ignore_eos=True)
         rids = [
             self.engine.add_request(self._fresh(ctx), params, detokenize=False)
             for _ in range(batch)
         ]
         started: set[str] = set()
-        while len(started) < len(rids):  # prefill every sequence first
+        while len(started) < len(rids):
             started.update(o.request_id for o in self.engine.step())
-        times = []
-        for _ in range(windows):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self.engine.step()
-            times.append(time.perf_counter() - t0)
+
+    def decode_window(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.engine.step()
+        return time.perf_counter() - t0
+
+    def end_decode(self) -> None:
         if self.engine.has_unfinished():
             raise RuntimeError("decode benchmark left requests running")
-        return times
 
 
 class Transformers:
@@ -90,6 +101,8 @@ class Transformers:
         ).eval()
         self.vocab = self.model.config.vocab_size
         self._salt = 10_000
+        self._past: Any = None
+        self._next = torch.empty(0)
 
     def _fresh(self, n: int, batch: int = 1) -> torch.Tensor:
         rows = []
@@ -107,20 +120,24 @@ class Transformers:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    def decode(self, batch: int, ctx: int, steps: int, windows: int) -> list[float]:
-        """The loop inside ``generate`` (greedy, KV cache), without its per-call overhead."""
+    @torch.inference_mode()
+    def start_decode(self, batch: int, ctx: int, total_steps: int) -> None:
         out = self.model(self._fresh(ctx, batch), use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for _ in range(windows):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = self.model(nxt, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            times.append(time.perf_counter() - t0)
-        return times
+        self._past = out.past_key_values
+        self._next = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def decode_window(self, steps: int) -> float:
+        """The loop inside ``generate`` (greedy, KV cache), without its per-call overhead."""
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = self.model(self._next, past_key_values=self._past, use_cache=True)
+            self._past = out.past_key_values
+            self._next = out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - t0
+
+    def end_decode(self) -> None:
+        self._past = None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,13 +159,20 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n in args.prefill:
-            t_ours = median_time(lambda n=n: ours.prefill(n), args.repeats)
-            t_ref = median_time(lambda n=n: ref.prefill(n), args.repeats)
+            t_ours, t_ref = paired(partial(ours.prefill, n), partial(ref.prefill, n), args.repeats)
             rows.append(_row("prefill", dtype, threads, n, n, t_ours, t_ref))
             _print(rows[-1])
         for b in args.batch:
-            t_ours = statistics.median(ours.decode(b, args.ctx, args.steps, args.repeats))
-            t_ref = statistics.median(ref.decode(b, args.ctx, args.steps, args.repeats))
+            total = args.steps * (args.repeats + 1)
+            ours.start_decode(b, args.ctx, total)
+            ref.start_decode(b, args.ctx, total)
+            t_ours, t_ref = paired(
+                partial(ours.decode_window, args.steps),
+                partial(ref.decode_window, args.steps),
+                args.repeats,
+            )
+            ours.end_decode()
+            ref.end_decode()
             rows.append(_row("decode", dtype, threads, b, b * args.steps, t_ours, t_ref))
             _print(rows[-1])
     return rows

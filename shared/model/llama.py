@@ -44,7 +44,10 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             if name not in state:
                 raise ModelFormatError(f"weights lack tensor {name}")
-            return state[name].to(dtype=dtype, device=device)
+            t = state[name].to(dtype=dtype, device=device)
+            # safetensors payloads can start at any byte offset; BLAS kernels run
+            # ~25% slower on weights that are not 64-byte aligned, so copy those.
+            return t.clone() if t.data_ptr() % 64 else t
 
         def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
             if tuple(t.shape) != shape:

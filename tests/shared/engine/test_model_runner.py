@@ -1,0 +1,63 @@
+"""Batch flattening (no model): row order, slots, segments, which rows are sampled."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.model_runner import build_input, prefill_runs
+from shared.engine.request import Request, RequestId
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
+from shared.kv.block_pool import BlockId
+from shared.model.attention import SlotRun
+
+
+def make_req(rid: str, prompt: int, computed: int, blocks: list[int], outputs: int = 0) -> Request:
+    r = Request(
+        request_id=RequestId(rid),
+        prompt_token_ids=list(range(100, 100 + prompt)),
+        params=SamplingParams(),
+        seed=0,
+        arrival=0.0,
+    )
+    r.output_token_ids = list(range(900, 900 + outputs))
+    r.num_computed_tokens = computed
+    r.block_ids = [BlockId(b) for b in blocks]
+    return r
+
+
+def test_prefill_runs_cover_every_position_once() -> None:
+    runs = prefill_runs(5, 3, 14, [7, 8, 9, 10], 4)
+    assert runs == [
+        SlotRun(row=5, block=7, offset=3, length=1),
+        SlotRun(row=6, block=8, offset=0, length=4),
+        SlotRun(row=10, block=9, offset=0, length=4),
+        SlotRun(row=14, block=10, offset=0, length=2),
+    ]
+    assert sum(r.length for r in runs) == 14 - 3
+
+
+def test_build_input_orders_decodes_first_and_samples_finished_prompts() -> None:
+    prefill_done = make_req("p", prompt=6, computed=0, blocks=[3, 4])  # whole prompt: samples
+    chunk = make_req("c", prompt=10, computed=0, blocks=[5, 6])  # first chunk only: no sample
+    decode = make_req("d", prompt=4, computed=4, blocks=[1, 2], outputs=1)  # one new token
+    step = SchedulerOutput(
+        scheduled=(
+            ScheduledRequest(prefill_done, 6),
+            ScheduledRequest(chunk, 5),
+            ScheduledRequest(decode, 1),
+        ),
+        preempted=(),
+    )
+    inp = build_input(step, block_size=4, device="cpu")
+    assert inp.input_ids.tolist() == [900, *range(100, 106), *range(100, 105)]
+    assert inp.positions.tolist() == [4, *range(6), *range(5)]
+    m = inp.meta
+    assert m.num_decodes == 1
+    assert (m.slot_blocks.tolist(), m.slot_offsets.tolist()) == ([2], [0])
+    assert m.decode is not None and m.decode.block_ids.tolist() == [1, 2]
+    assert m.decode.mask.tolist() == [[[False] * 5 + [True] * 3]]
+    assert [(s.start, s.end, s.context_len) for s in m.prefills] == [(1, 7, 6), (7, 12, 5)]
+    assert torch.equal(m.prefills[1].block_table, torch.tensor([5, 6]))
+    assert inp.logits_rows.tolist() == [0, 6]  # decode row and the finished prompt's last row
+    assert [s.request for s in inp.sampled] == [decode, prefill_done]
