@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from shared.config import BatonSettings, EngineConfig
 from shared.errors import BatonError, InvalidRequestError
-from shared.kv.layout import torch_dtype
 
 
 def _settings_args(p: argparse.ArgumentParser) -> None:
@@ -95,8 +94,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty")
-    if settings.device == "cpu" and torch_dtype(settings.dtype) is torch_dtype("float16"):
-        raise InvalidRequestError("float16 is not supported on CPU; use float32 or bfloat16")
     config: EngineConfig = settings.engine_config()
     t0 = time.perf_counter()
     engine = Engine.from_config(config, cache_dir=settings.cache_dir, progress=not args.json)

@@ -32,6 +32,10 @@ class ModelPullError(ModelError):
     """Fetching the default model from the package registry failed."""
 
 
+class ConfigError(BatonError):
+    """A setting is invalid or unsupported on this machine (e.g. float16 on CPU)."""
+
+
 class InvalidRequestError(BatonError):
     """A request is malformed: empty prompt, bad sampling parameter, too long, ..."""
 

@@ -25,7 +25,7 @@ from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockHasher
 from shared.kv.block_pool import BlockPool
 from shared.kv.kv_cache import KVCache
-from shared.kv.layout import KVLayout
+from shared.kv.layout import KVLayout, dtype_name
 from shared.model.loader import LoadedModel, load_model
 
 
@@ -79,9 +79,11 @@ class Engine:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             block_size=config.cache.block_size,
-            dtype=config.dtype,
+            dtype=dtype_name(loaded.model.dtype),  # the KV pool holds what the model computes
         )
-        self.kv_cache = KVCache.for_memory(self.layout, config.cache.kv_cache_bytes, config.device)
+        self.kv_cache = KVCache.for_memory(
+            self.layout, config.cache.kv_cache_bytes, loaded.model.device
+        )
         self.block_pool = BlockPool(
             self.kv_cache.num_blocks, enable_caching=config.cache.enable_prefix_caching
         )

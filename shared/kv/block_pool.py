@@ -93,7 +93,11 @@ class BlockPool:
 
     def release(self, block_ids: Iterable[BlockId]) -> None:
         """Drop one reference on each block. Give blocks tail-first so a
-        sequence's last blocks are evicted before its shared prefix."""
+        sequence's last blocks are evicted before its shared prefix.
+
+        A freed block that holds no cached content is reused first: nothing is
+        lost, and its memory is still warm (reusing it avoids touching cold
+        pages of the pool)."""
         for bid in block_ids:
             blk = self._blocks[bid]
             if blk.ref_count <= 0:
@@ -101,6 +105,8 @@ class BlockPool:
             blk.ref_count -= 1
             if blk.ref_count == 0:
                 self._free[bid] = None
+                if blk.block_hash is None:
+                    self._free.move_to_end(bid, last=False)
 
     def cache_full_block(self, block_id: BlockId, block_hash: BlockHash) -> None:
         """Record that ``block_id`` now holds the full block ``block_hash``."""

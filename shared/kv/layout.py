@@ -21,6 +21,13 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value is dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]

@@ -5,21 +5,41 @@ each), then each prefill segment's rows (several new tokens, possibly on top
 of KV already in the pool: a cached prefix or earlier chunks).
 
 Inside a block one layer's K (or V) is ``[block_size, kv_heads, head_dim]``,
-so gathering a sequence's blocks with ``index_select`` (whole blocks,
-memcpy-speed) directly yields its ``[T, kv_heads, head_dim]`` window with no
-permute copy. Decode attention then runs one batched matmul per KV head over
-that window with a length mask: on CPU this is several times faster than SDPA
-with a single query token or than gathering token slots one by one (see
-DESIGN, pitfalls).
+so a sequence's blocks are gathered with ``index_select`` (whole blocks,
+memcpy speed) into its ``[T, kv_heads, head_dim]`` window. Decode attention
+copies that window once into a contiguous ``[B, kv_heads, T, head_dim]``
+workspace and runs two batched matmuls with a length mask: on CPU this is
+several times faster than SDPA with a single query token, than gathering token
+slots one by one, or than matmuls over the strided window (see DESIGN,
+pitfalls). The workspace is reused across layers and steps, because fresh
+large allocations cost page faults.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+class Workspace:
+    """Scratch buffers reused by every forward (one forward at a time; not thread-safe)."""
+
+    def __init__(self, dtype: torch.dtype, device: str):
+        self.dtype = dtype
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel + numel // 4, dtype=self.dtype, device=self.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
 
 
 @dataclass(frozen=True)
@@ -107,24 +127,35 @@ def write_kv(
         v_pool[r.block, r.offset : r.offset + r.length] = v[r.row : r.row + r.length]
 
 
+def _window(pool: torch.Tensor, d: DecodeBatch, ws: Workspace, name: str) -> torch.Tensor:
+    """Gather each row's blocks into a contiguous ``[B, kv_heads, T, head_dim]`` workspace."""
+    n_blocks, block_size, kv_heads, head_dim = d.block_ids.shape[0], *pool.shape[1:]
+    b, window = d.mask.shape[0], d.mask.shape[-1]
+    raw = ws.take(f"{name}_blocks", (n_blocks, block_size, kv_heads, head_dim))
+    torch.index_select(pool, 0, d.block_ids, out=raw)
+    out = ws.take(name, (b, kv_heads, window, head_dim))
+    out.copy_(raw.view(b, window, kv_heads, head_dim).transpose(1, 2))
+    return out
+
+
 def _decode(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, d: DecodeBatch, scale: float
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    d: DecodeBatch,
+    scale: float,
+    ws: Workspace,
 ) -> torch.Tensor:
     """``q``: ``[B, heads, head_dim]`` one token per row."""
     b, n_heads, head_dim = q.shape
     kv_heads = k_pool.shape[2]
-    group = n_heads // kv_heads
-    window = d.mask.shape[-1]
-    keys = k_pool.index_select(0, d.block_ids).view(b, window, kv_heads, head_dim)
-    values = v_pool.index_select(0, d.block_ids).view(b, window, kv_heads, head_dim)
-    qg = q.view(b, kv_heads, group, head_dim)
-    out = torch.empty_like(qg)
-    for h in range(kv_heads):
-        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).float() * scale  # [B, g, T]
-        scores.masked_fill_(d.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out[:, h] = torch.bmm(probs, values[:, :, h])
-    return out.view(b, n_heads, head_dim)
+    keys = _window(k_pool, d, ws, "k")
+    values = _window(v_pool, d, ws, "v")
+    qg = q.view(b, kv_heads, n_heads // kv_heads, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, kvh, g, T]
+    scores.masked_fill_(d.mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(b, n_heads, head_dim)
 
 
 def _prefill(
@@ -159,12 +190,13 @@ def paged_attention(
     v_pool: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    ws: Workspace,
 ) -> torch.Tensor:
     """``q``: ``[N, heads, head_dim]``; pools ``[blocks, block_size, kv_heads, head_dim]``."""
     out = torch.empty_like(q)
     b = meta.num_decodes
     if meta.decode is not None:
-        out[:b] = _decode(q[:b], k_pool, v_pool, meta.decode, scale)
+        out[:b] = _decode(q[:b], k_pool, v_pool, meta.decode, scale, ws)
     for seg in meta.prefills:
         out[seg.start : seg.end] = _prefill(q[seg.start : seg.end], k_pool, v_pool, seg, scale)
     return out

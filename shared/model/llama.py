@@ -1,7 +1,8 @@
 """A Llama-family decoder in plain torch (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV pool.
 
-The model is stateless apart from its weights: the caller passes the
-flattened ragged batch, the attention metadata and the KV pool.
+The model holds its weights and a scratch workspace (so it runs one forward at
+a time); the caller passes the flattened ragged batch, the attention metadata
+and the KV pool.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from shared.errors import ModelFormatError
 from shared.kv.kv_cache import KVCache
 from shared.model.arch import LlamaArch
-from shared.model.attention import AttentionMetadata, paged_attention, write_kv
+from shared.model.attention import AttentionMetadata, Workspace, paged_attention, write_kv
 from shared.model.rope import Rope
 
 
@@ -82,6 +83,7 @@ class LlamaModel:
                 )
             )
         self.rope = Rope(arch, dtype, device)
+        self.workspace = Workspace(dtype, device)
         self.scale = a.head_dim**-0.5
 
     @torch.inference_mode()
@@ -109,7 +111,7 @@ class LlamaModel:
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
             write_kv(k_pool, v_pool, k, v, meta)
-            attn = paged_attention(q, k_pool, v_pool, meta, self.scale)
+            attn = paged_attention(q, k_pool, v_pool, meta, self.scale, self.workspace)
             h = h + F.linear(attn.reshape(n, q_dim), lw.o_proj)
             x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
             gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)

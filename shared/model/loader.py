@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import ModelFormatError
+from shared.errors import ConfigError, ModelFormatError
 from shared.kv.layout import torch_dtype
 from shared.model.arch import LlamaArch
 from shared.model.llama import LlamaModel
@@ -40,6 +40,8 @@ def load_model(
 
 
 def load_resolved(resolved: ResolvedModel, *, dtype: str, device: str) -> LoadedModel:
+    if device == "cpu" and dtype == "float16":
+        raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
     t0 = time.perf_counter()
     try:
         cfg = json.loads((resolved.folder / "config.json").read_text())

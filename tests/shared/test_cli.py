@@ -92,6 +92,7 @@ def test_generate_bf16_with_threads(cache_dir: Path) -> None:
         (("--prompt", "hi", "--temperature", "-1"), "temperature"),
         (("--prompt", "word " * 9000), "context length"),
         (("--prompt", "hi", "--model", "/does/not/exist.gguf"), "does not exist"),
+        (("--prompt", "hi", "--dtype", "float16"), "float16 is not supported on CPU"),
     ],
 )
 def test_bad_input_gets_a_clear_error(cache_dir: Path, args: tuple[str, ...], message: str) -> None:

@@ -60,6 +60,17 @@ def test_acquiring_a_free_cached_block_takes_it_off_the_free_list() -> None:
     assert pool.allocate(1) != [b]
 
 
+def test_uncached_free_blocks_are_reused_before_cached_ones() -> None:
+    pool = BlockPool(4)
+    cached, partial = pool.allocate(2)
+    pool.cache_full_block(cached, h(1))
+    pool.release([cached, partial])
+    # the untouched blocks 2, 3 are not preferred over a warm block with no content
+    assert pool.allocate(1) == [partial]
+    assert pool.lookup([h(1)]) == [cached]
+    assert pool.allocate(3)[-1] == cached  # cached content is evicted last
+
+
 def test_caching_disabled_never_hits() -> None:
     pool = BlockPool(2, enable_caching=False)
     (b,) = pool.allocate(1)
