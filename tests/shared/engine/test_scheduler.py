@@ -75,6 +75,18 @@ def test_eos_finishes_with_stop_unless_ignored() -> None:
     s.add(r)
     run_step(s, token=EOS)
     assert r.finish_reason is FinishReason.STOP
+    ignoring = Request(
+        request_id=RequestId("ignore-eos"),
+        prompt_token_ids=[5, 6, 7],
+        params=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, stop_token_ids=(77,)),
+        seed=0,
+        arrival=0.0,
+    )
+    s.add(ignoring)
+    run_step(s, token=EOS)
+    assert not ignoring.is_finished
+    run_step(s, token=77)  # an explicit stop token id still stops
+    assert ignoring.finish_reason is FinishReason.STOP and ignoring.output_token_ids == [EOS, 77]
 
 
 def test_token_budget_chunks_long_prompts() -> None:
