@@ -159,15 +159,24 @@ def _decode(
 
 
 def _prefill(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seg: PrefillSegment, scale: float
+    q: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    seg: PrefillSegment,
+    scale: float,
 ) -> torch.Tensor:
-    """``q``: ``[n, heads, head_dim]``, the segment's new tokens."""
-    kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-    keys = k_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
-    values = v_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
-    keys = keys[: seg.context_len].transpose(0, 1)  # [kvh, T, hd]
-    values = values[: seg.context_len].transpose(0, 1)
+    """``q``, ``new_k``, ``new_v``: the segment's new tokens, ``[n, heads, head_dim]``."""
     prefix = seg.context_len - seg.num_new
+    if prefix == 0:  # nothing cached before: the new K/V are the whole context (same values)
+        keys, values = new_k.transpose(0, 1), new_v.transpose(0, 1)
+    else:
+        kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+        keys = k_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
+        values = v_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
+        keys = keys[: seg.context_len].transpose(0, 1)  # [kvh, T, hd]
+        values = values[: seg.context_len].transpose(0, 1)
     mask = None
     if prefix > 0:  # bottom-right aligned causal mask over the cached prefix + new rows
         rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
@@ -186,17 +195,21 @@ def _prefill(
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     ws: Workspace,
 ) -> torch.Tensor:
-    """``q``: ``[N, heads, head_dim]``; pools ``[blocks, block_size, kv_heads, head_dim]``."""
+    """``q``: ``[N, heads, head_dim]``, ``k``/``v``: ``[N, kv_heads, head_dim]`` (already
+    written to the pools ``[blocks, block_size, kv_heads, head_dim]``)."""
     out = torch.empty_like(q)
     b = meta.num_decodes
     if meta.decode is not None:
         out[:b] = _decode(q[:b], k_pool, v_pool, meta.decode, scale, ws)
     for seg in meta.prefills:
-        out[seg.start : seg.end] = _prefill(q[seg.start : seg.end], k_pool, v_pool, seg, scale)
+        rows = slice(seg.start, seg.end)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale)
     return out

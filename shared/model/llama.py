@@ -111,7 +111,7 @@ class LlamaModel:
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
             write_kv(k_pool, v_pool, k, v, meta)
-            attn = paged_attention(q, k_pool, v_pool, meta, self.scale, self.workspace)
+            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.workspace)
             h = h + F.linear(attn.reshape(n, q_dim), lw.o_proj)
             x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
             gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
