@@ -39,7 +39,9 @@ def test_chat_answers_paris(make_engine: EngineFactory) -> None:
     assert out.text == engine.tokenizer.decode(out.token_ids)
 
 
-def test_ragged_batch_matches_running_alone(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_ragged_batch_matches_running_alone(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
     prompts = _prompts(loaded_fp32)
     assert len({len(p) for p in prompts}) == len(prompts)
     alone = [make_engine().generate([p], GREEDY)[0].token_ids for p in prompts]
@@ -47,7 +49,9 @@ def test_ragged_batch_matches_running_alone(make_engine: EngineFactory, loaded_f
     assert [b.token_ids for b in batched] == alone
 
 
-def test_chunked_prefill_matches_one_shot(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_prefill_matches_one_shot(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
     prompts = _prompts(loaded_fp32)
     one_shot = make_engine().generate(prompts, GREEDY)
     chunked = make_engine(max_num_batched_tokens=13).generate(prompts, GREEDY)
@@ -64,7 +68,9 @@ def test_chunked_and_prefix_logits_equal_one_shot(loaded_fp32: LoadedModel) -> N
     assert torch.allclose(torch.cat(pieces), full, atol=1e-4, rtol=0)
 
 
-def test_prefix_cache_hit_gives_same_tokens(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_cache_hit_gives_same_tokens(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
     base = _prompts(loaded_fp32)[4]
     engine = make_engine()
     cold = engine.generate([base], SamplingParams(max_tokens=16, temperature=0, logprobs=5))[0]
@@ -81,7 +87,9 @@ def test_prefix_cache_hit_gives_same_tokens(make_engine: EngineFactory, loaded_f
     engine.abort(rid)
 
 
-def test_seeded_sampling_is_reproducible(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_seeded_sampling_is_reproducible(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
     prompts = _prompts(loaded_fp32)[:4]
     params = [
         SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=s)
@@ -98,8 +106,8 @@ def test_seeded_sampling_is_reproducible(make_engine: EngineFactory, loaded_fp32
 
 
 def test_regenerating_from_any_position_reproduces_the_rest(
-    make_engine: EngineFactory, loaded_fp32
-) -> None:  # type: ignore[no-untyped-def]
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
     prompt = _prompts(loaded_fp32)[2]
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
     full = make_engine().generate([prompt], params)[0].token_ids
@@ -116,8 +124,8 @@ def test_regenerating_from_any_position_reproduces_the_rest(
 
 
 def test_preemption_under_kv_pressure_keeps_outputs(
-    make_engine: EngineFactory, loaded_fp32
-) -> None:  # type: ignore[no-untyped-def]
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
     prompts = _prompts(loaded_fp32)
     reference = make_engine().generate(prompts, GREEDY)
     # 20 blocks of 16 tokens cannot hold all 8 sequences at once
@@ -128,7 +136,7 @@ def test_preemption_under_kv_pressure_keeps_outputs(
     assert tight.block_pool.num_free == tight.block_pool.num_blocks
 
 
-def test_abort_frees_kv(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_abort_frees_kv(make_engine: EngineFactory, loaded_fp32: LoadedModel) -> None:
     engine = make_engine()
     prompts = _prompts(loaded_fp32)
     rids = [engine.add_request(p, GREEDY) for p in prompts]
@@ -182,11 +190,11 @@ def test_bad_input_is_rejected(make_engine: EngineFactory) -> None:
         {"stop": ("",)},
     ):
         with pytest.raises(InvalidRequestError):
-            SamplingParams(**bad)  # type: ignore[arg-type]
+            SamplingParams(**bad)
     assert not engine.has_unfinished()
 
 
-def test_penalties_discourage_repeats(make_engine: EngineFactory, loaded_fp32) -> None:  # type: ignore[no-untyped-def]
+def test_penalties_discourage_repeats(make_engine: EngineFactory, loaded_fp32: LoadedModel) -> None:
     prompt = loaded_fp32.tokenizer.encode("Repeat after me: la la la la la la la la")
     plain = make_engine().generate([prompt], GREEDY)[0].token_ids
     penal = (

@@ -170,7 +170,7 @@ def test_preemption_frees_the_latest_request_and_resumes_it() -> None:
     s.add(a)
     s.add(b)
     run_step(s)  # 2 + 2 blocks in use, 1 free
-    preempted = []
+    preempted: list[RequestId] = []
     for _ in range(40):
         if not s.has_unfinished():
             break

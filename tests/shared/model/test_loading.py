@@ -64,7 +64,7 @@ def test_sharded_hf_folder(loaded_fp32: LoadedModel, tmp_path: Path) -> None:
     state = load_file(str(loaded_fp32.folder / "model.safetensors"))
     names = sorted(state)
     half = len(names) // 2
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, part in enumerate((names[:half], names[half:])):
         fname = f"model-0000{i + 1}-of-00002.safetensors"
         save_file({n: state[n].numpy() for n in part}, str(tmp_path / fname))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def hf_model(cache_dir: Path):  # type: ignore[no-untyped-def]
+def hf_model(cache_dir: Path) -> Any:
     transformers = pytest.importorskip("transformers")
     gguf_path = pull(DEFAULT_MODEL, cache_dir, progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -44,7 +45,7 @@ def _prompt_64(loaded: LoadedModel) -> list[int]:
     return ids[:64]
 
 
-def test_logits_match_transformers(loaded_fp32: LoadedModel, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_logits_match_transformers(loaded_fp32: LoadedModel, hf_model: Any) -> None:
     model, _ = hf_model
     ids = _prompt_64(loaded_fp32)
     ours = prefill_logits(loaded_fp32, ids)
@@ -54,7 +55,7 @@ def test_logits_match_transformers(loaded_fp32: LoadedModel, hf_model) -> None: 
     assert (ours - ref).abs().max().item() < 1e-3
 
 
-def test_greedy_matches_transformers_generate(loaded_fp32: LoadedModel, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_matches_transformers_generate(loaded_fp32: LoadedModel, hf_model: Any) -> None:
     model, _ = hf_model
     ids = _prompt_64(loaded_fp32)
     engine = Engine(loaded_fp32, EngineConfig())
@@ -66,7 +67,9 @@ def test_greedy_matches_transformers_generate(loaded_fp32: LoadedModel, hf_model
     assert ours.token_ids == ref
 
 
-def test_tokenizer_and_chat_template_match_transformers(loaded_fp32: LoadedModel, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_tokenizer_and_chat_template_match_transformers(
+    loaded_fp32: LoadedModel, hf_model: Any
+) -> None:
     _, tok = hf_model
     texts = [
         "Hello 12345 world!  héllo 😀",
