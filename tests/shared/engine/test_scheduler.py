@@ -53,6 +53,12 @@ def run_step(s: Scheduler, token: int = 100) -> SchedulerOutput:
     return out
 
 
+def assert_idle(s: Scheduler) -> None:
+    """Nothing queued or running, and every block back in the pool."""
+    assert not s.has_unfinished()
+    assert s.pool.num_free == s.pool.num_blocks
+
+
 def test_prefill_then_decode_then_length_finish() -> None:
     s = make()
     r = req(10, max_tokens=3)
@@ -65,8 +71,7 @@ def test_prefill_then_decode_then_length_finish() -> None:
     assert out.scheduled[0].num_new_tokens == 1
     run_step(s)
     assert r.is_finished and r.finish_reason is FinishReason.LENGTH
-    assert s.pool.num_free == s.pool.num_blocks
-    assert not s.has_unfinished()
+    assert_idle(s)
 
 
 def test_eos_finishes_with_stop_unless_ignored() -> None:
@@ -190,8 +195,7 @@ def test_abort_anywhere_frees_blocks() -> None:
     assert s.finish(a.request_id, FinishReason.ABORT) is a
     assert s.finish(b.request_id, FinishReason.ABORT) is b
     assert s.finish(b.request_id, FinishReason.ABORT) is None
-    assert s.pool.num_free == s.pool.num_blocks
-    assert not s.has_unfinished()
+    assert_idle(s)
 
 
 def test_abort_during_step_discards_its_result() -> None:
