@@ -107,26 +107,19 @@ def test_token_budget_chunks_long_prompts() -> None:
     assert r.num_computed_tokens == 20
 
 
-def test_decodes_share_the_step_with_a_new_prefill() -> None:
-    s = make(budget=16)
+@pytest.mark.parametrize("chunked", [True, False])
+def test_long_prompt_arriving_while_decoding(chunked: bool) -> None:
+    """Chunked: the decode and a budget-sized chunk share the step. Not chunked: the
+    long prompt waits for a step it can have whole."""
+    s = make(budget=16, chunked=chunked)
     a = req(4, max_tokens=10)
     s.add(a)
     run_step(s)
     b = req(30, first=50)
     s.add(b)
     out = run_step(s)
-    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 15)]
-
-
-def test_without_chunking_a_long_prompt_waits_for_an_empty_step() -> None:
-    s = make(budget=16, chunked=False)
-    a = req(4, max_tokens=10)
-    s.add(a)
-    run_step(s)
-    b = req(30, first=50)
-    s.add(b)
-    out = run_step(s)
-    assert [x.request for x in out.scheduled] == [a]
+    expected = [(a, 1), (b, 15)] if chunked else [(a, 1)]
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == expected
 
 
 def test_max_num_seqs_limits_the_batch() -> None:
