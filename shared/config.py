@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.errors import ConfigError
+
 DType = Literal["float32", "bfloat16", "float16"]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -47,6 +49,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
 
 
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the cluster's shared state lives and how data moves between nodes."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "baton"
+    transport: str = "ucx"
+    replication: int = 1
+    heartbeat_s: float = 1.0
+    member_ttl_s: float = 5.0
+    index_ttl_s: float = 3600.0
+
+
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "baton"
 
@@ -67,6 +82,26 @@ class BatonSettings(BaseSettings):
     max_num_seqs: int = Field(default=64, ge=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = Field(default="baton", pattern=r"^[A-Za-z0-9_.-]+$")
+    transport: Literal["ucx", "tcp"] = "ucx"
+    replication: int = Field(default=1, ge=1, le=8)
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    member_ttl_s: float = Field(default=5.0, gt=0)
+    index_ttl_s: float = Field(default=3600.0, gt=0)
+
+    def cluster_config(self) -> ClusterConfig:
+        if self.member_ttl_s <= self.heartbeat_s:
+            raise ConfigError("BATON_MEMBER_TTL_S must be longer than BATON_HEARTBEAT_S")
+        return ClusterConfig(
+            redis_url=self.redis_url,
+            redis_prefix=self.redis_prefix,
+            transport=self.transport,
+            replication=self.replication,
+            heartbeat_s=self.heartbeat_s,
+            member_ttl_s=self.member_ttl_s,
+            index_ttl_s=self.index_ttl_s,
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -7,6 +7,8 @@ code and one-line message) instead of letting tracebacks escape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class BatonError(Exception):
     """Base of every error Baton raises on purpose."""
@@ -46,3 +48,59 @@ class RequestTooLongError(InvalidRequestError):
 
 class UnknownRequestError(BatonError):
     """An operation named a request id the engine does not know."""
+
+
+class TransportError(BatonError):
+    """A data-plane connection failed: refused, lost, timed out or spoke garbage."""
+
+
+class PeerLostError(TransportError):
+    """The peer closed or vanished; every operation pending on the connection gets this."""
+
+
+class TransportTimeoutError(TransportError):
+    """A data-plane operation did not finish within its bound; the connection is closed."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent bytes that are not a valid frame (wrong magic, sizes over the limits)."""
+
+
+class KVStoreError(BatonError):
+    """A KV store operation was refused; ``code`` is the wire error code."""
+
+    code = "error"
+
+    def __init__(self, message: str, ids: Sequence[str] = ()):
+        super().__init__(message)
+        self.ids = list(ids)
+
+
+class KVMissError(KVStoreError):
+    """Some requested block ids are not held (never written, evicted, or revoked)."""
+
+    code = "miss"
+
+
+class KVNoSpaceError(KVStoreError):
+    """The store cannot make room: everything is leased or being written."""
+
+    code = "no_space"
+
+
+class KVWaitTimeoutError(KVStoreError):
+    """Blocks being written did not complete within the reader's wait bound."""
+
+    code = "timeout"
+
+
+class KVBadRequestError(KVStoreError):
+    """The request is malformed: wrong sizes, unknown op, oversized put, bad layer range."""
+
+    code = "bad_request"
+
+
+class KVUnavailableError(KVStoreError):
+    """No live store node could serve the operation."""
+
+    code = "unavailable"

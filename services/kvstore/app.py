@@ -1,0 +1,153 @@
+"""A KV store node: data-plane listener + HTTP control plane + Redis membership.
+
+Long-lived parts (transport, Redis client, store) are created once in the
+FastAPI lifespan and torn down in reverse order. A clean shutdown withdraws
+the node's blocks from the Redis index and deregisters it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.kvstore.dataplane import DataPlane
+from services.kvstore.metrics import StoreMetrics
+from services.kvstore.settings import KVStoreSettings
+from services.kvstore.store import BlockStore
+from shared.cluster.block_index import BlockIndex, IndexPublisher
+from shared.cluster.keys import Keys
+from shared.cluster.membership import Heartbeat, Member
+from shared.config import ClusterConfig
+from shared.transport import Listener, Transport, make_transport
+
+log = logging.getLogger(__name__)
+ROLE = "kvstore"
+
+
+class KVStoreNode:
+    def __init__(self, settings: KVStoreSettings, cluster: ClusterConfig):
+        self.settings = settings
+        self.cluster = cluster
+        self.metrics = StoreMetrics()
+        self.redis = aioredis.from_url(
+            cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        self.keys = Keys(cluster.redis_prefix)
+        index = BlockIndex(self.redis, self.keys, cluster.index_ttl_s)
+        self.publisher = IndexPublisher(index, settings.instance_id, lambda: self.store.held_ids())
+        self.store = BlockStore(settings.store_config(), self.metrics, self.publisher)
+        self.metrics.bind_gauges(self.store.stats)
+        self.dataplane = DataPlane(self.store, self.metrics)
+        self.transport: Transport | None = None
+        self.listener: Listener | None = None
+        self.heartbeat: Heartbeat | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        self.transport = make_transport(self.cluster.transport)
+        self.listener = await self.transport.listen(s.host, s.data_port, self.dataplane.serve)
+        member = Member(
+            instance_id=s.instance_id,
+            role=ROLE,
+            host=s.advertise_host,
+            http_port=s.http_port,
+            data_port=self.listener.port,
+            transport=self.transport.name,
+            capacity_bytes=self.store.arena.capacity,
+            started_at=time.time(),
+        )
+
+        async def resync() -> None:
+            self.publisher.resync()
+
+        self.heartbeat = Heartbeat(
+            self.redis,
+            self.keys,
+            member,
+            interval_s=self.cluster.heartbeat_s,
+            ttl_s=self.cluster.member_ttl_s,
+            load=self.store.stats,
+            on_reconnect=resync,
+        )
+        self.publisher.start()
+        await self.heartbeat.beat()
+        self.heartbeat.start()
+        self._sweeper = asyncio.create_task(self._sweep(), name="kvstore-sweeper")
+        log.info(
+            "kvstore %s: data %s port %d, capacity %.2f GiB",
+            s.instance_id,
+            self.transport.name,
+            self.listener.port,
+            self.store.arena.capacity / (1 << 30),
+        )
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_s)
+            self.store.expire()
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(deregister=True)
+        await self.publisher.stop(withdraw=True)
+        if self.listener is not None:
+            await self.listener.close()
+        if self.transport is not None:
+            await self.transport.shutdown()
+        await self.redis.aclose()
+
+    def ready(self) -> tuple[bool, dict[str, object]]:
+        redis_ok = self.heartbeat is not None and self.heartbeat.healthy
+        up = self.listener is not None
+        status = "ready" if up and redis_ok else ("degraded" if up else "starting")
+        return up, {"status": status, "redis": redis_ok, "instance_id": self.settings.instance_id}
+
+
+def create_app(settings: KVStoreSettings, cluster: ClusterConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        node = KVStoreNode(settings, cluster)
+        await node.start()
+        app.state.node = node
+        try:
+            yield
+        finally:
+            await node.stop()
+
+    app = FastAPI(title="Baton KV store", lifespan=lifespan)
+
+    def node_of(request: Request) -> KVStoreNode:
+        node: KVStoreNode = request.app.state.node
+        return node
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        up, body = node_of(request).ready()
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/stats")
+    async def stats(request: Request) -> dict[str, float]:
+        return node_of(request).store.stats()
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body = node_of(request).metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,100 @@
+"""The store's memory: one preallocated arena carved into size-class slabs.
+
+Blocks are not Python objects: a block is a :class:`Slot` (offset, size) in one
+big buffer allocated at start-up. The arena is cut into fixed *slabs*; a slab
+serves one block size (a size class, like memcached's slab allocator), and an
+empty slab goes back to the arena so another size can use it. A deployment
+has one or two block sizes (model x dtype), so fragmentation is bounded by
+one partly-used slab per size.
+
+Memory is pinned host memory when CUDA is present (so a GPU client's copies
+are DMA), otherwise plain pages zero-filled lazily by the OS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    offset: int
+    size: int
+
+
+@dataclass
+class _SizeClass:
+    size: int
+    slots_per_slab: int
+    free: dict[int, list[int]] = field(default_factory=dict)  # slab -> free slot indices
+    used: dict[int, int] = field(default_factory=dict)  # slab -> slots in use
+
+
+def _allocate_buffer(capacity: int, pinned: bool) -> np.ndarray:
+    if pinned:
+        return torch.empty(capacity, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.zeros(capacity, dtype=np.uint8)  # calloc: pages appear on first touch
+
+
+class Arena:
+    def __init__(self, capacity: int, slab_bytes: int, *, pinned: bool | None = None):
+        if slab_bytes <= 0 or capacity < slab_bytes:
+            raise ValueError(
+                f"the arena needs at least one slab: capacity {capacity}, slab {slab_bytes}"
+            )
+        self.slab_bytes = slab_bytes
+        self.num_slabs = capacity // slab_bytes
+        self.capacity = self.num_slabs * slab_bytes
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.buffer = _allocate_buffer(self.capacity, self.pinned)
+        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self._classes: dict[int, _SizeClass] = {}
+        self.used_bytes = 0
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.slab_bytes
+
+    def allocate(self, size: int) -> Slot | None:
+        """A slot of exactly ``size`` bytes, or None when no slab has room."""
+        if not 0 < size <= self.slab_bytes:
+            raise ValueError(f"block size {size} outside (0, {self.slab_bytes}]")
+        cls = self._classes.get(size)
+        if cls is None:
+            cls = self._classes[size] = _SizeClass(size, self.slab_bytes // size)
+        slab = next(iter(cls.free), None)
+        if slab is None:
+            if not self._free_slabs:
+                return None
+            slab = self._free_slabs.pop()
+            cls.free[slab] = list(range(cls.slots_per_slab - 1, -1, -1))
+            cls.used[slab] = 0
+        slots = cls.free[slab]
+        index = slots.pop()
+        if not slots:
+            del cls.free[slab]
+        cls.used[slab] += 1
+        self.used_bytes += size
+        return Slot(slab * self.slab_bytes + index * size, size)
+
+    def free(self, slot: Slot) -> None:
+        cls = self._classes[slot.size]
+        slab, rest = divmod(slot.offset, self.slab_bytes)
+        cls.free.setdefault(slab, []).append(rest // slot.size)
+        cls.used[slab] -= 1
+        self.used_bytes -= slot.size
+        if cls.used[slab] == 0:  # whole slab empty: give it back for any size
+            del cls.used[slab], cls.free[slab]
+            self._free_slabs.append(slab)
+
+    def can_allocate(self, size: int) -> bool:
+        cls = self._classes.get(size)
+        return bool(self._free_slabs) or (cls is not None and bool(cls.free))
+
+    def view(self, slot: Slot, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Bytes ``[start, stop)`` of the slot, as a view into the arena."""
+        end = slot.size if stop is None else stop
+        return self.buffer[slot.offset + start : slot.offset + end]

@@ -1,0 +1,195 @@
+"""The store's data plane: one loop per connection turning frames into store ops.
+
+Every frame is answered; a refused op answers an error body and the
+connection stays usable (an unwanted payload is drained first). Only a broken
+stream (peer gone, garbage preamble) ends the connection. When a client's last
+connection ends, its unfinished reservations are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from itertools import count
+
+import numpy as np
+from pydantic import ValidationError
+
+from services.kvstore.metrics import StoreMetrics
+from services.kvstore.store import BlockStore, Entry
+from shared.errors import KVBadRequestError, KVStoreError, TransportError
+from shared.kvstore.protocol import (
+    REQUEST,
+    Commit,
+    ErrorBody,
+    Get,
+    Hello,
+    LayerRange,
+    Lease,
+    Lookup,
+    Ping,
+    Release,
+    Reserve,
+    Response,
+    Revoke,
+    Write,
+    encode,
+)
+from shared.transport.base import Connection, Frame
+
+log = logging.getLogger(__name__)
+OK = encode(Response())
+
+
+def _span(layers: LayerRange | None) -> tuple[int, int] | None:
+    return None if layers is None else (layers.start, layers.stop)
+
+
+def _error(exc: KVStoreError) -> bytes:
+    body = ErrorBody(code=exc.code, message=str(exc), ids=exc.ids[:64])
+    return encode(Response(ok=False, error=body))
+
+
+class DataPlane:
+    def __init__(self, store: BlockStore, metrics: StoreMetrics):
+        self.store = store
+        self.metrics = metrics
+        self._clients: Counter[str] = Counter()
+        self._anon = count(1)
+
+    async def serve(self, conn: Connection) -> None:
+        client = f"anon-{next(self._anon)}"
+        self._clients[client] += 1
+        self.metrics.connections.inc()
+        try:
+            while True:
+                frame = await conn.recv()
+                client = await self._one(conn, frame, client)
+        except TransportError as exc:
+            log.debug("data connection %s ended: %s", conn.peer, exc)
+        finally:
+            self.metrics.connections.dec()
+            self._leave(client)
+
+    def _leave(self, client: str) -> None:
+        self._clients[client] -= 1
+        if self._clients[client] <= 0:
+            del self._clients[client]
+            freed = self.store.client_gone(client)
+            if freed:
+                log.info("client %s left; freed %d unfinished reservations", client, freed)
+
+    async def _one(self, conn: Connection, frame: Frame, client: str) -> str:
+        started = time.perf_counter()
+        op = "invalid"
+        try:
+            try:
+                req = REQUEST.validate_json(frame.header)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise KVBadRequestError(f"invalid request ({where}): {first['msg']}") from exc
+            op = req.op
+            if frame.sizes and not isinstance(req, Write):
+                raise KVBadRequestError(f"op {op!r} takes no payload")
+            if isinstance(req, Hello):
+                self._leave(client)
+                client = req.client_id
+                self._clients[client] += 1
+                await conn.send(OK)
+            elif isinstance(req, Write):
+                await self._write(conn, frame, req)
+            elif isinstance(req, Get):
+                await self._get(conn, req)
+            else:
+                await conn.send(self._simple(req, client))
+        except KVStoreError as exc:
+            self.metrics.errors.labels(exc.code).inc()
+            if frame.sizes:
+                await conn.discard(frame)
+            await conn.send(_error(exc))
+        self.metrics.op_seconds.labels(op).observe(time.perf_counter() - started)
+        return client
+
+    def _simple(
+        self, req: Reserve | Commit | Revoke | Lookup | Lease | Release | Ping, client: str
+    ) -> bytes:
+        s = self.store
+        if isinstance(req, Reserve):
+            return encode(
+                Response(statuses=s.reserve(client, req.blocks, req.num_layers, req.ttl_s))
+            )
+        if isinstance(req, Commit):
+            s.commit(req.ids)
+        elif isinstance(req, Revoke):
+            s.revoke(req.ids)
+        elif isinstance(req, Lookup):
+            return encode(Response(num_hit=s.lookup(req.ids)))
+        elif isinstance(req, Lease):
+            return encode(Response(lease_id=s.lease(req.ids, req.ttl_s)))
+        elif isinstance(req, Release):
+            s.release(req.lease_id)
+        else:
+            return encode(Response(stats=s.stats()))
+        return OK
+
+    async def _write(self, conn: Connection, frame: Frame, req: Write) -> None:
+        transfer = self.store.begin_write(req.ids, _span(req.layers))
+        ok = False
+        try:
+            want = tuple(v.nbytes for v in transfer.views)
+            if frame.sizes != want:
+                raise KVBadRequestError(
+                    f"payload segments {list(frame.sizes[:8])}... do not match the "
+                    f"reserved sizes {list(want[:8])}... of {len(want)} blocks"
+                )
+            await conn.recv_segments(frame, transfer.views)
+            ok = True
+        finally:
+            self.store.end_write(transfer, ok)
+        self.metrics.bytes_in.inc(frame.payload_bytes)
+        await conn.send(OK)
+
+    async def _get(self, conn: Connection, req: Get) -> None:
+        entries = self.store.open_read(req.ids)
+        try:
+            deadline = time.monotonic() + req.wait_s
+            if req.stream:
+                await self._stream(conn, req, entries, deadline)
+                return
+            await self.store.wait_for(entries, None, deadline)
+            views = self.store.views(entries, _span(req.layers))
+            head = Response(
+                sizes=[v.nbytes for v in views], num_layers=[e.num_layers for e in entries]
+            )
+            await self._send_payload(conn, encode(head), views)
+        finally:
+            self.store.close_read(entries)
+
+    async def _stream(
+        self, conn: Connection, req: Get, entries: Sequence[Entry], deadline: float
+    ) -> None:
+        layer_counts = {e.num_layers for e in entries}
+        if len(layer_counts) != 1:
+            raise KVBadRequestError("a layer stream needs blocks with the same layer count")
+        start, stop = _span(req.layers) or (0, layer_counts.pop())
+        try:
+            for layer in range(start, stop):
+                await self.store.wait_for(entries, layer, deadline)
+                views = self.store.views(entries, (layer, layer + 1))
+                head = Response(kind="chunk", layers=LayerRange(start=layer, stop=layer + 1))
+                await self._send_payload(conn, encode(head), views)
+            await self.store.wait_for(entries, None, deadline)
+        except KVStoreError as exc:
+            self.metrics.errors.labels(exc.code).inc()
+            await conn.send(_error(exc))  # ends the stream; the reader drops what it got
+            return
+        await conn.send(encode(Response(kind="done")))
+
+    async def _send_payload(
+        self, conn: Connection, head: bytes, views: Sequence[np.ndarray]
+    ) -> None:
+        await conn.send(head, views)
+        self.metrics.bytes_out.inc(sum(v.nbytes for v in views))

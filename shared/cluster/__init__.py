@@ -1,0 +1,1 @@
+"""Cluster state in Redis: membership with heartbeats and the global block index."""

@@ -1,0 +1,115 @@
+"""Membership: each instance keeps a TTL'd key with its role, addresses and load.
+
+An expired key is a dead instance; no static host lists. Redis being down is
+degraded, not fatal: the heartbeat keeps trying and re-registers (and asks the
+owner to resync whatever else it publishes) once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, ValidationError
+from redis.exceptions import RedisError
+
+from shared.cluster.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+class Member(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    instance_id: str
+    role: str
+    host: str
+    http_port: int
+    data_port: int | None = None
+    transport: str | None = None
+    capacity_bytes: int | None = None
+    load: dict[str, float] = {}
+    started_at: float = 0.0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+async def live_members(redis: aioredis.Redis, keys: Keys, role: str) -> list[Member]:
+    """Every instance of ``role`` whose heartbeat key has not expired, by instance id."""
+    names = [k async for k in redis.scan_iter(match=keys.member_pattern(role), count=500)]
+    if not names:
+        return []
+    members = []
+    for raw in await redis.mget(names):
+        if raw is None:
+            continue  # expired between SCAN and MGET
+        try:
+            members.append(Member.model_validate_json(raw))
+        except ValidationError:
+            log.warning("ignoring a malformed membership record")
+    return sorted(members, key=lambda m: m.instance_id)
+
+
+class Heartbeat:
+    """Registers ``member`` and refreshes it every ``interval_s`` until stopped."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        member: Member,
+        *,
+        interval_s: float,
+        ttl_s: float,
+        load: Callable[[], dict[str, float]] = dict,
+        on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.redis = redis
+        self.key = keys.member(member.role, member.instance_id)
+        self.member = member
+        self.interval_s = interval_s
+        self.ttl_ms = int(ttl_s * 1000)
+        self.load = load
+        self.on_reconnect = on_reconnect
+        self.healthy = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> bool:
+        record = self.member.model_copy(update={"load": self.load()})
+        try:
+            await self.redis.set(self.key, record.model_dump_json(), px=self.ttl_ms)
+        except (RedisError, OSError) as exc:
+            if self.healthy:
+                log.warning("Redis unreachable, running degraded: %s", exc)
+            self.healthy = False
+            return False
+        if not self.healthy and self.on_reconnect is not None:
+            await self.on_reconnect()
+        self.healthy = True
+        return True
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.beat()
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=f"heartbeat:{self.key}")
+
+    async def stop(self, *, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if deregister:
+            try:
+                await self.redis.delete(self.key)
+            except (RedisError, OSError) as exc:
+                log.warning("could not deregister %s: %s", self.key, exc)

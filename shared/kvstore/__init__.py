@@ -1,0 +1,1 @@
+"""Client side of the KV object store: wire protocol, placement, and the client library."""

@@ -1,0 +1,337 @@
+"""The KV store client that prefill and decode use.
+
+Discovery: live store nodes come from Redis membership (refreshed at most
+every ``refresh_s``). Placement: each block's replicas are the first
+``replication`` nodes of its rendezvous ranking (:mod:`shared.kvstore.placement`).
+
+- :meth:`KVStoreClient.begin_put` reserves on every replica and returns a
+  :class:`PutHandle` for layer-by-layer or whole-block writes, then
+  ``commit`` (or ``revoke``). Blocks a replica already holds are skipped.
+- :meth:`KVStoreClient.get` reads whole blocks, trying each block's ranking in
+  order, so a dead or evicting holder falls back to another replica.
+- :meth:`KVStoreClient.stream` delivers layers as they are written (the
+  decode side pulling while prefill still computes).
+
+Ownership: the caller's buffers are read (puts) or written (gets) only while
+the awaited call runs; they are safe to reuse when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.cluster.block_index import BlockIndex
+from shared.cluster.keys import Keys
+from shared.cluster.membership import Member, live_members
+from shared.errors import KVMissError, KVStoreError, KVUnavailableError, TransportError
+from shared.kvstore.node_client import Layers, NodeClient
+from shared.kvstore.placement import rank
+from shared.kvstore.protocol import BlockSpec
+from shared.transport.base import Buffer, Transport, as_bytes_view
+
+STORE_ROLE = "kvstore"
+
+
+@dataclass
+class LeaseSet:
+    """Leases taken by :meth:`KVStoreClient.lease`; release once (expiry covers a crash)."""
+
+    held: list[tuple[NodeClient, str]]
+
+    async def release(self) -> None:
+        held, self.held = self.held, []
+        for node, lease_id in held:
+            try:
+                await node.release(lease_id)
+            except (TransportError, KVStoreError):
+                continue  # the node is gone or the lease expired: nothing is pinned
+
+
+@dataclass
+class PutHandle:
+    """An in-flight two-phase put across replicas; commit or revoke exactly once."""
+
+    num_layers: int
+    sizes: dict[str, int]
+    targets: dict[str, tuple[NodeClient, list[str]]]  # node id -> (node, ids it must receive)
+    done: bool = field(default=False)
+
+    def _check(self) -> None:
+        if self.done:
+            raise KVStoreError("this put was already committed or revoked")
+
+    async def write(
+        self, ids: Sequence[str], segments: Sequence[Buffer], layers: Layers | None = None
+    ) -> None:
+        """Write ``segments`` (per id: whole block or its ``layers`` slice) to every replica."""
+        self._check()
+        seg_of = dict(zip(ids, segments, strict=True))
+        jobs = []
+        for node, wanted in self.targets.values():
+            mine = [i for i in wanted if i in seg_of]
+            if mine:
+                jobs.append(node.write(mine, [seg_of[i] for i in mine], layers))
+        await asyncio.gather(*jobs)
+
+    async def commit(self) -> None:
+        self._check()
+        self.done = True
+        await asyncio.gather(*(n.commit(ids) for n, ids in self.targets.values() if ids))
+
+    async def revoke(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        results = await asyncio.gather(
+            *(n.revoke(ids) for n, ids in self.targets.values() if ids), return_exceptions=True
+        )
+        for result in results:  # a dead node frees its reservation by itself (timeout)
+            if isinstance(result, BaseException) and not isinstance(
+                result, TransportError | KVStoreError
+            ):
+                raise result
+
+
+class KVStoreClient:
+    def __init__(
+        self,
+        transport: Transport,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        replication: int = 1,
+        client_id: str | None = None,
+        timeout_s: float = 30.0,
+        refresh_s: float = 1.0,
+    ):
+        self.transport = transport
+        self.redis = redis
+        self.keys = keys
+        self.replication = replication
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        self.timeout_s = timeout_s
+        self.refresh_s = refresh_s
+        self._nodes: dict[str, NodeClient] = {}
+        self._live: list[NodeClient] = []
+        self._refreshed = -1e9
+        self._refresh_lock = asyncio.Lock()
+        self.index = BlockIndex(redis, keys, ttl_s=3600.0)
+
+    # ----- discovery ------------------------------------------------------
+    async def nodes(self, *, force: bool = False) -> list[NodeClient]:
+        async with self._refresh_lock:
+            if force or time.monotonic() - self._refreshed >= self.refresh_s:
+                try:
+                    members = await live_members(self.redis, self.keys, STORE_ROLE)
+                except (RedisError, OSError):
+                    members = None  # Redis down: keep the last known nodes
+                if members is not None:
+                    self._live = [self._node(m) for m in members if m.data_port is not None]
+                    self._refreshed = time.monotonic()
+        return list(self._live)
+
+    def _node(self, member: Member) -> NodeClient:
+        node = self._nodes.get(member.instance_id)
+        if node is None or node.member != member:
+            node = NodeClient(self.transport, member, self.client_id, timeout_s=self.timeout_s)
+            self._nodes[member.instance_id] = node
+        return node
+
+    async def _ranked(self, ids: Sequence[str]) -> dict[str, list[NodeClient]]:
+        nodes = await self.nodes()
+        if not nodes:
+            raise KVUnavailableError("no live KV store node is registered")
+        return {i: rank(i, nodes) for i in ids}
+
+    # ----- writes ---------------------------------------------------------
+    async def begin_put(
+        self, ids: Sequence[str], sizes: Sequence[int], *, num_layers: int, ttl_s: float = 30.0
+    ) -> PutHandle:
+        ranked = await self._ranked(ids)
+        per_node: dict[str, list[BlockSpec]] = defaultdict(list)
+        node_by_id: dict[str, NodeClient] = {}
+        for block_id, size in zip(ids, sizes, strict=True):
+            for node in ranked[block_id][: self.replication]:
+                per_node[node.instance_id].append(BlockSpec(id=block_id, size=size))
+                node_by_id[node.instance_id] = node
+        handle = PutHandle(num_layers, dict(zip(ids, sizes, strict=True)), {})
+
+        async def reserve(node_id: str, specs: list[BlockSpec]) -> None:
+            node = node_by_id[node_id]
+            statuses = await node.reserve(specs, num_layers, ttl_s)
+            mine = [s.id for s, st in zip(specs, statuses, strict=True) if st == "reserved"]
+            handle.targets[node_id] = (node, mine)
+
+        results = await asyncio.gather(
+            *(reserve(n, specs) for n, specs in per_node.items()), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await handle.revoke()
+            raise failures[0]
+        return handle
+
+    async def put(
+        self, ids: Sequence[str], blocks: Sequence[Buffer], *, num_layers: int = 1
+    ) -> None:
+        """Whole blocks, two-phase, to every replica."""
+        sizes = [as_bytes_view(b).nbytes for b in blocks]
+        handle = await self.begin_put(ids, sizes, num_layers=num_layers)
+        try:
+            await handle.write(ids, blocks)
+            await handle.commit()
+        except BaseException:
+            await handle.revoke()
+            raise
+
+    # ----- reads ----------------------------------------------------------
+    async def get(
+        self,
+        ids: Sequence[str],
+        into: Sequence[Buffer],
+        *,
+        layers: Layers | None = None,
+        wait_s: float = 0.0,
+    ) -> None:
+        """Fill ``into`` (one buffer per id) from the first holder that has each block."""
+        ranked = await self._ranked(ids)
+        buf_of = dict(zip(ids, into, strict=True))
+        pending = list(ids)
+        tried: dict[str, int] = defaultdict(int)
+        last_error: BaseException | None = None
+        while pending:
+            groups: dict[str, list[str]] = defaultdict(list)
+            nodes: dict[str, NodeClient] = {}
+            for block_id in pending:
+                choices = ranked[block_id]
+                if tried[block_id] >= len(choices):
+                    raise KVMissError(
+                        f"{len(pending)} blocks are held by no live store node", pending
+                    ) from last_error
+                node = choices[tried[block_id]]
+                groups[node.instance_id].append(block_id)
+                nodes[node.instance_id] = node
+            results = await asyncio.gather(
+                *(
+                    nodes[n].get(g, [buf_of[i] for i in g], layers=layers, wait_s=wait_s)
+                    for n, g in groups.items()
+                ),
+                return_exceptions=True,
+            )
+            pending = []
+            for group, result in zip(groups.values(), results, strict=True):
+                if isinstance(result, KVMissError | TransportError):
+                    last_error = result
+                    for block_id in group:
+                        tried[block_id] += 1
+                    pending.extend(group)
+                elif isinstance(result, BaseException):
+                    raise result
+
+    async def stream(
+        self,
+        ids: Sequence[str],
+        into: Sequence[Buffer],
+        *,
+        num_layers: int,
+        wait_s: float,
+    ) -> AsyncIterator[int]:
+        """Yields each layer index once that layer of every block is in ``into``.
+
+        ``into`` holds one whole-block buffer per id. Each block is read from
+        its first-ranked holder (the replica prefill writes first).
+        """
+        ranked = await self._ranked(ids)
+        views = [as_bytes_view(b) for b in into]
+        groups: dict[str, list[int]] = defaultdict(list)
+        nodes: dict[str, NodeClient] = {}
+        for pos, block_id in enumerate(ids):
+            node = ranked[block_id][0]
+            groups[node.instance_id].append(pos)
+            nodes[node.instance_id] = node
+        landed: asyncio.Queue[int | BaseException | None] = asyncio.Queue()
+
+        def slicer(positions: list[int]) -> Callable[[int], list[memoryview]]:
+            def layer_views(layer: int) -> list[memoryview]:
+                out = []
+                for p in positions:
+                    lb = views[p].nbytes // num_layers
+                    out.append(views[p][layer * lb : (layer + 1) * lb])
+                return out
+
+            return layer_views
+
+        async def pump(node_id: str, positions: list[int]) -> None:
+            try:
+                async for layer in nodes[node_id].stream(
+                    [ids[p] for p in positions],
+                    slicer(positions),
+                    layers=(0, num_layers),
+                    wait_s=wait_s,
+                ):
+                    landed.put_nowait(layer)
+                landed.put_nowait(None)
+            except Exception as exc:  # handed to the consumer, which re-raises it
+                landed.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(n, p)) for n, p in groups.items()]
+        counts: dict[int, int] = defaultdict(int)
+        finished = 0
+        try:
+            while finished < len(tasks):
+                item = await landed.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    finished += 1
+                    continue
+                counts[item] += 1
+                if counts[item] == len(tasks):
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def lookup(self, ids: Sequence[str]) -> int:
+        """Longest prefix of ``ids`` held by live store nodes, from the Redis index."""
+        if not ids:
+            return 0
+        live = {n.instance_id for n in await self.nodes()}
+        return await self.index.longest_prefix(ids, live)
+
+    async def lease(self, ids: Sequence[str], ttl_s: float = 30.0) -> LeaseSet:
+        """Pin ``ids`` against eviction on each block's first holder that has it."""
+        ranked = await self._ranked(ids)
+        leases = LeaseSet([])
+        try:
+            for group in self._group_first(ids, ranked).values():
+                node = ranked[group[0]][0]
+                leases.held.append((node, await node.lease(group, ttl_s)))
+        except BaseException:
+            await leases.release()
+            raise
+        return leases
+
+    @staticmethod
+    def _group_first(
+        ids: Sequence[str], ranked: dict[str, list[NodeClient]]
+    ) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = defaultdict(list)
+        for block_id in ids:
+            groups[ranked[block_id][0].instance_id].append(block_id)
+        return groups
+
+    async def close(self) -> None:
+        for node in self._nodes.values():
+            await node.close()
+        self._nodes.clear()
+        self._live = []

