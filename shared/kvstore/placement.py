@@ -26,7 +26,10 @@ def rank(block_id: str, nodes: Sequence[N]) -> list[N]:
     """``nodes`` ordered by preference for ``block_id`` (deterministic, stable)."""
     return sorted(
         nodes,
-        key=lambda n: (xxhash.xxh64_intdigest(f"{n.instance_id}\x00{block_id}".encode()), n.instance_id),
+        key=lambda n: (
+            xxhash.xxh64_intdigest(f"{n.instance_id}\x00{block_id}".encode()),
+            n.instance_id,
+        ),
         reverse=True,
     )
 

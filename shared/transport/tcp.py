@@ -31,6 +31,7 @@ from shared.transport.base import (
 
 log = logging.getLogger(__name__)
 SOCKET_BUFFER_BYTES = 4 << 20
+IOV_MAX = 512  # Linux allows 1024 iovecs per call
 
 
 def _tune(sock: socket.socket) -> None:
@@ -57,36 +58,62 @@ class TcpConnection(Connection):
         self._shutdown()
         return PeerLostError(f"connection to {self.peer} lost: {why}")
 
-    async def send(self, header: bytes, segments: Sequence[Buffer] = ()) -> None:
+    async def _ready(self, writing: bool) -> None:
+        """Wait until the socket is writable/readable (one event-loop callback)."""
+        fut = self._loop.create_future()
+        fd = self._sock.fileno()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        if writing:
+            self._loop.add_writer(fd, wake)
+        else:
+            self._loop.add_reader(fd, wake)
+        try:
+            await fut
+        finally:
+            if writing:
+                self._loop.remove_writer(fd)
+            else:
+                self._loop.remove_reader(fd)
+
+    async def _io(self, views: list[memoryview], writing: bool) -> None:
+        """Move all of ``views`` with scatter/gather syscalls (sendmsg / recvmsg_into)."""
         if self._closed:
             raise PeerLostError(f"connection to {self.peer} is closed")
-        views = [as_bytes_view(s) for s in segments]
+        views = [v for v in views if v.nbytes]
         try:
-            await self._loop.sock_sendall(
-                self._sock, encode_preamble(header, [v.nbytes for v in views])
-            )
-            for view in views:
-                if view.nbytes:
-                    await self._loop.sock_sendall(self._sock, view)
+            while views:
+                batch = views[:IOV_MAX]
+                try:
+                    n = self._sock.sendmsg(batch) if writing else self._sock.recvmsg_into(batch)[0]
+                except (BlockingIOError, InterruptedError):
+                    await self._ready(writing)
+                    continue
+                if n == 0 and not writing:
+                    raise self._lost("closed by peer")
+                while n:
+                    head = views[0]
+                    if n < head.nbytes:
+                        views[0] = head[n:]
+                        break
+                    n -= head.nbytes
+                    views.pop(0)
         except (ConnectionError, OSError) as exc:
             raise self._lost(str(exc)) from exc
         except asyncio.CancelledError:
-            self._shutdown()  # a half-sent frame cannot be resumed
+            self._shutdown()  # a half-moved frame cannot be resumed
             raise
 
+    async def send(self, header: bytes, segments: Sequence[Buffer] = ()) -> None:
+        views = [as_bytes_view(s) for s in segments]
+        preamble = encode_preamble(header, [v.nbytes for v in views])
+        await self._io([memoryview(preamble), *views], writing=True)
+
     async def _recv_exact(self, view: memoryview) -> None:
-        got = 0
-        while got < view.nbytes:
-            try:
-                n = await self._loop.sock_recv_into(self._sock, view[got:])
-            except (ConnectionError, OSError) as exc:
-                raise self._lost(str(exc)) from exc
-            except asyncio.CancelledError:
-                self._shutdown()
-                raise
-            if n == 0:
-                raise self._lost("closed by peer")
-            got += n
+        await self._io([view], writing=False)
 
     async def recv(self) -> Frame:
         if self._closed:
@@ -103,8 +130,7 @@ class TcpConnection(Connection):
         return Frame(bytes(rest[:header_len]), decode_sizes(rest[header_len:]))
 
     async def recv_segments(self, frame: Frame, into: Sequence[Buffer]) -> None:
-        for view in check_into(frame, into):
-            await self._recv_exact(view)
+        await self._io(check_into(frame, into), writing=False)
 
     def _shutdown(self) -> None:
         if self._closed:

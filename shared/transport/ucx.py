@@ -13,15 +13,25 @@ Framing over UCX tag messages, all on the endpoint's own tag so order holds:
    message per 12-24 KiB slice costs more than the copy. Both sides derive
    the same groups from the size table alone.
 
-Tuning (chosen on a 2-vCPU VM, see benchmarks/kv_transfer_bench.py): the
-``blocking`` progress mode (the worker's event fd in the asyncio loop) instead
-of UCXX's default progress thread, which fights the event loop for the GIL and
-the two cores (0.6-0.7 GB/s -> 2.5-3.2 GB/s); TCP segments of 4 MiB instead of
-8 KiB (fewer copies through the bounce buffers); ``tcp,cma`` transports, the
-only ones here that support UCXX's endpoint error handling (a dead peer is an
-error, not a hang), with cma's single-copy ``get_zcopy`` rendezvous where the
-kernel allows cross-memory attach. Any ``UCX_*`` environment variable
-overrides these.
+Tuning (chosen on a 2-vCPU VM, see benchmarks/kv_transfer_bench.py):
+
+- progress: UCXX's ``thread`` mode *with Python futures* (a notifier thread
+  completes asyncio futures). UCXX's defaults (thread mode without futures)
+  poll every pending request with ``asyncio.sleep(0)``, fighting the progress
+  thread for the GIL (0.6-0.7 GB/s); ``blocking``/``polling`` modes are as
+  fast (3-4 GB/s) but busy-wait the same way, so a store with one idle client
+  connection burns a core forever. Thread + futures: 3.0-3.3 GB/s, idle at 0%.
+  The notifier thread binds to the running event loop, so construct the
+  transport inside it, and call ``shutdown()`` before exiting (the thread is
+  not a daemon). ``UCXPY_PROGRESS_MODE=blocking`` trades an always-busy core
+  for 1.2-1.8x raw-TCP throughput.
+- TCP segments of 4 MiB instead of 8 KiB (fewer trips through bounce buffers).
+- transports ``tcp,cma``: the only ones here that support UCXX's endpoint
+  error handling (a dead peer is an error, not a hang), with cma's
+  single-copy ``get_zcopy`` rendezvous for large messages between processes
+  on one host (about 1.3-2x a raw TCP socket).
+
+Any ``UCX_*`` environment variable overrides these.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,26 +148,50 @@ class UcxConnection(Connection):
             self._abort()
             raise
 
+    async def _all(self, op: str, buffers: list[np.ndarray]) -> None:
+        """Post every message at once (UCX keeps their order on the endpoint) and
+        wait for all: one notifier round trip per batch instead of per message."""
+        if len(buffers) == 1:
+            await self._io(op, buffers[0])
+            return
+        results = await asyncio.gather(*(self._io(op, b) for b in buffers), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    def _layout(self, sizes: Sequence[int]) -> tuple[list[Group], np.ndarray]:
+        """Groups, and one staging area with room for every staged group."""
+        groups = plan_groups(sizes)
+        return groups, self._stage(sum(g.nbytes for g in groups if g.staged))
+
     async def send(self, header: bytes, segments: Sequence[Buffer] = ()) -> None:
         views = [as_bytes_view(s) for s in segments]
         sizes = [v.nbytes for v in views]
         control = encode_preamble(header, sizes)
+        messages: list[np.ndarray]
         if len(control) <= CONTROL_INLINE_BYTES:
-            await self._io("send", np.frombuffer(control, dtype=np.uint8))
+            messages = [np.frombuffer(control, dtype=np.uint8)]
         else:
             pre = bytearray(control[: PREAMBLE.size])
             pre[6] |= FLAG_LARGE  # flags field of the preamble
-            await self._io("send", np.frombuffer(bytes(pre), dtype=np.uint8))
-            await self._io("send", np.frombuffer(control[PREAMBLE.size :], dtype=np.uint8))
-        for group in plan_groups(sizes):
+            messages = [
+                np.frombuffer(bytes(pre), dtype=np.uint8),
+                np.frombuffer(control[PREAMBLE.size :], dtype=np.uint8),
+            ]
+        groups, stage = self._layout(sizes)
+        used = 0
+        for group in groups:
             if not group.staged:
-                await self._io("send", np.frombuffer(views[group.start], dtype=np.uint8))
+                messages.append(np.frombuffer(views[group.start], dtype=np.uint8))
                 continue
-            stage, offset = self._stage(group.nbytes), 0
+            area = stage[used : used + group.nbytes]
+            used += group.nbytes
+            offset = 0
             for view in views[group.start : group.stop]:
-                stage[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+                area[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
                 offset += view.nbytes
-            await self._io("send", stage)
+            messages.append(area)
+        await self._all("send", messages)
 
     async def recv(self) -> Frame:
         await self._io("recv", self._control)
@@ -180,14 +215,22 @@ class UcxConnection(Connection):
 
     async def recv_segments(self, frame: Frame, into: Sequence[Buffer]) -> None:
         views = check_into(frame, into)
-        for group in plan_groups(frame.sizes):
+        groups, stage = self._layout(frame.sizes)
+        messages, staged, used = [], [], 0
+        for group in groups:
             if not group.staged:
-                await self._io("recv", np.frombuffer(views[group.start], dtype=np.uint8))
+                messages.append(np.frombuffer(views[group.start], dtype=np.uint8))
                 continue
-            stage, offset = self._stage(group.nbytes), 0
-            await self._io("recv", stage)
+            area = stage[used : used + group.nbytes]
+            used += group.nbytes
+            messages.append(area)
+            staged.append((group, area))
+        if messages:
+            await self._all("recv", messages)
+        for group, area in staged:
+            offset = 0
             for view in views[group.start : group.stop]:
-                np.frombuffer(view, dtype=np.uint8)[:] = stage[offset : offset + view.nbytes]
+                np.frombuffer(view, dtype=np.uint8)[:] = area[offset : offset + view.nbytes]
                 offset += view.nbytes
 
     def _abort(self) -> None:
@@ -228,11 +271,13 @@ class UcxTransport(Transport):
 
     def __init__(self, options: dict[str, str] | None = None):
         ucxx = _ucx()
+        mode = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
         try:
             ucxx.init(
                 options={**DEFAULT_UCX_OPTIONS, **(options or {})},
                 env_takes_precedence=True,
-                progress_mode="blocking",
+                progress_mode=mode,
+                enable_python_future=mode.startswith("thread"),
             )
         except RuntimeError as exc:  # UCXX keeps one context per process
             log.info("reusing this process's UCX context (%s)", exc)

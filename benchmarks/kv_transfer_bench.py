@@ -1,0 +1,309 @@
+"""KV store data-plane throughput and latency, against raw TCP and memcpy, in one run.
+
+    python -m benchmarks.kv_transfer_bench [--mb 64] [--repeats 7] [--out FILE]
+
+Measures, alternating the configurations in every repeat (the machine is
+noisy, so only ratios taken side by side mean anything):
+
+- ``memcpy``: one 64 MB numpy copy in this process;
+- ``raw_tcp``: a plain blocking TCP socket pair between this process and a
+  child process, 64 MB each way (the baseline the issue asks to reach 0.8x of);
+- ``put``/``get`` through a real KV store process (real redis-server, the
+  client library, two-phase put = reserve + write + commit) for each transport,
+  64 MB as blocks of the default model's fp32 block size (737,280 bytes);
+- p50/p99 latency of a single-block get.
+
+Prints a JSON report; ``--out`` also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from shared.cluster.keys import Keys
+from shared.kvstore.client import KVStoreClient
+from shared.procs import RedisProcess, ServiceProcess, free_port
+from shared.transport import make_transport
+
+BLOCK_BYTES = 737_280  # SmolLM2-135M fp32: 30 layers x 2 x 16 tokens x 3 heads x 64 x 4 B
+NUM_LAYERS = 30
+CHUNK = 4 << 20
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(CHUNK, len(view) - got))
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def raw_server(port: int, nbytes: int) -> None:
+    """Child side of the raw TCP baseline: receive N bytes, ack; on request, send N bytes."""
+    srv = socket.create_server(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.ones(nbytes, dtype=np.uint8).data
+    op = bytearray(1)
+    while True:
+        n = conn.recv_into(op)
+        if n == 0:
+            return
+        if op[0] == ord("u"):
+            _recv_exact(conn, buf)
+            conn.sendall(b"k")
+        else:
+            conn.sendall(buf)
+
+
+class RawTcp:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        port = free_port()
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.kv_transfer_bench", "--raw-server", str(port),
+             "--raw-bytes", str(nbytes)]
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.sock = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = np.ones(nbytes, dtype=np.uint8).data
+
+    def upload(self) -> float:
+        t = time.perf_counter()
+        self.sock.sendall(b"u")
+        self.sock.sendall(self.buf)
+        self.sock.recv(1)
+        return time.perf_counter() - t
+
+    def download(self) -> float:
+        t = time.perf_counter()
+        self.sock.sendall(b"d")
+        _recv_exact(self.sock, self.buf)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.sock.close()
+        self.child.wait(10)
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch pages first
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t
+
+
+class ClientWorker:
+    """The client side in its own process (one transport per process, as in a real
+    deployment: UCX's progress engine in a process slows an unrelated TCP socket).
+    Reads commands on stdin, answers one JSON line each."""
+
+    def __init__(self, transport: str, redis_url: str, nbytes: int):
+        self.transport = transport
+        self.redis_url = redis_url
+        self.nblocks = nbytes // BLOCK_BYTES
+        self.counter = 0
+
+    async def serve(self) -> None:
+        redis = aioredis.from_url(self.redis_url)
+        transport = make_transport(self.transport)
+        client = KVStoreClient(transport, redis, Keys(f"bench-{self.transport}"))
+        src = [np.random.randint(0, 255, BLOCK_BYTES, dtype=np.uint8) for _ in range(self.nblocks)]
+        dst = [np.empty(BLOCK_BYTES, dtype=np.uint8) for _ in range(self.nblocks)]
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            cmd, *rest = line.split()
+            if cmd == "round":
+                put_s, ids = await self._put(client, src)
+                get_s = await self._get(client, ids, dst)
+                same = all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+                reply: dict[str, Any] = {"put": put_s, "get": get_s, "same": same}
+            elif cmd == "latency":
+                _, ids = await self._put(client, src[:1])
+                reply = {
+                    "us": [await self._get(client, ids, dst[:1]) * 1e6 for _ in range(int(rest[0]))]
+                }
+            else:
+                break
+            print(json.dumps(reply), flush=True)
+        await client.close()
+        await transport.shutdown()
+        await redis.aclose()
+
+    async def _put(
+        self, client: KVStoreClient, blocks: list[np.ndarray]
+    ) -> tuple[float, list[str]]:
+        self.counter += 1
+        ids = [f"{self.counter:016x}{i:016x}" for i in range(len(blocks))]
+        t = time.perf_counter()
+        await client.put(ids, blocks, num_layers=NUM_LAYERS)
+        return time.perf_counter() - t, ids
+
+    async def _get(self, client: KVStoreClient, ids: list[str], into: list[np.ndarray]) -> float:
+        t = time.perf_counter()
+        await client.get(ids, into)
+        return time.perf_counter() - t
+
+
+class StoreTarget:
+    """One store process on ``transport`` and a client worker process driving it."""
+
+    def __init__(
+        self, transport: str, redis_url: str, workdir: Path, nbytes: int, capacity_gb: float
+    ):
+        self.name = transport
+        http, data = free_port(), free_port()
+        env = {
+            "BATON_REDIS_URL": redis_url,
+            "BATON_REDIS_PREFIX": f"bench-{transport}",
+            "BATON_TRANSPORT": transport,
+            "BATON_KVSTORE_HTTP_PORT": str(http),
+            "BATON_KVSTORE_DATA_PORT": str(data),
+            "BATON_KVSTORE_CAPACITY_GB": str(capacity_gb),
+            "BATON_LOG_LEVEL": "warning",
+        }
+        log = workdir / f"kvstore-{transport}.log"
+        self.proc = ServiceProcess("services.kvstore", env, f"http://127.0.0.1:{http}/ready", log)
+        self.proc.start().wait_ready()
+        self.client = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.kv_transfer_bench", "--client", transport,
+             "--redis-url", redis_url, "--raw-bytes", str(nbytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.client.stdin is not None and self.client.stdout is not None
+        self.client.stdin.write(command + "\n")
+        self.client.stdin.flush()
+        while line := self.client.stdout.readline():
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+        raise RuntimeError(f"{self.name} client worker died")
+
+    def close(self) -> None:
+        if self.client.stdin is not None:
+            self.client.stdin.close()
+        self.client.wait(30)
+        self.proc.stop()
+
+
+def _median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    nblocks = max(1, (args.mb << 20) // BLOCK_BYTES)
+    nbytes = nblocks * BLOCK_BYTES
+    workdir = Path(tempfile.mkdtemp(prefix="baton-bench-"))
+    redis = RedisProcess().start()
+    raw = RawTcp(nbytes)
+    targets = [
+        StoreTarget(t, redis.url, workdir, nbytes, args.capacity_gb) for t in args.transports
+    ]
+    times: dict[str, list[float]] = {"memcpy": [], "raw_tcp_up": [], "raw_tcp_down": []}
+    cold: dict[str, float] = {}
+    latency: dict[str, dict[str, float]] = {}
+    try:
+        for target in targets:
+            # The first put touches fresh arena pages (page faults on this VM run at
+            # 0.15-2 GB/s depending on the neighbours), so report it apart; then fill
+            # the arena once so measured puts land in memory the store has used before.
+            cold[f"{target.name}_put_cold"] = nbytes / target.ask("round")["put"] / 1e9
+            for _ in range(int(args.capacity_gb * (1 << 30) / nbytes) + 1):
+                target.ask("round")
+            times[f"{target.name}_put"], times[f"{target.name}_get"] = [], []
+        raw.upload(), raw.download()
+        for _ in range(args.repeats):
+            times["memcpy"].append(memcpy_seconds(nbytes))
+            times["raw_tcp_up"].append(raw.upload())
+            times["raw_tcp_down"].append(raw.download())
+            for target in targets:
+                result = target.ask("round")
+                if not result["same"]:
+                    raise AssertionError(f"{target.name}: get returned different bytes")
+                times[f"{target.name}_put"].append(result["put"])
+                times[f"{target.name}_get"].append(result["get"])
+        for target in targets:
+            samples = sorted(target.ask(f"latency {args.latency_samples}")["us"])
+            latency[target.name] = {
+                "p50_us": samples[len(samples) // 2],
+                "p99_us": samples[max(0, int(len(samples) * 0.99) - 1)],
+            }
+    finally:
+        for target in targets:
+            target.close()
+        raw.close()
+        redis.stop()
+    gbps = {k: _median_gbps(nbytes, v) for k, v in times.items()}
+    ratios = {}
+    for target in targets:
+        ratios[f"{target.name}_put_vs_raw_tcp"] = gbps[f"{target.name}_put"] / gbps["raw_tcp_up"]
+        ratios[f"{target.name}_get_vs_raw_tcp"] = gbps[f"{target.name}_get"] / gbps["raw_tcp_down"]
+        ratios[f"{target.name}_put_vs_memcpy"] = gbps[f"{target.name}_put"] / gbps["memcpy"]
+        ratios[f"{target.name}_get_vs_memcpy"] = gbps[f"{target.name}_get"] / gbps["memcpy"]
+    return {
+        "bytes": nbytes,
+        "blocks": nblocks,
+        "block_bytes": BLOCK_BYTES,
+        "repeats": args.repeats,
+        "gbps_median": gbps,
+        "gbps_first_touch": cold,
+        "ratios": ratios,
+        "single_block_get": latency,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--transports", nargs="+", default=["ucx", "tcp"])
+    parser.add_argument("--capacity-gb", type=float, default=0.25)
+    parser.add_argument("--latency-samples", type=int, default=500)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_server:
+        raw_server(args.raw_server, args.raw_bytes)
+        return
+    if args.client:
+        asyncio.run(ClientWorker(args.client, args.redis_url, args.raw_bytes).serve())
+        return
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
