@@ -48,10 +48,12 @@ class RedisProcess:
     def __init__(self, port: int | None = None):
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._dir = tempfile.mkdtemp(prefix="baton-redis-")
+        self._dir = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        """Start (or restart, on the same port, with empty state)."""
+        self._dir = tempfile.mkdtemp(prefix="baton-redis-")
         args = [
             redis_server_binary(),
             "--port", str(self.port),
@@ -81,7 +83,8 @@ class RedisProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class ServiceProcess:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import pytest
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
 from shared.engine.engine import Engine
 from shared.model.loader import LoadedModel, load_model
+from shared.procs import RedisProcess
 
 CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -54,3 +55,11 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
         return Engine(loaded_fp32, replace(config, dtype="float32"))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisProcess]:
+    """A real redis-server process for the whole session (tests use distinct key prefixes)."""
+    server = RedisProcess().start()
+    yield server
+    server.stop()

@@ -29,6 +29,7 @@ from shared.transport import Listener, Transport, make_transport
 
 log = logging.getLogger(__name__)
 ROLE = "kvstore"
+PUBLISH_WAIT_S = 1.0
 
 
 class KVStoreNode:
@@ -44,11 +45,20 @@ class KVStoreNode:
         self.publisher = IndexPublisher(index, settings.instance_id, lambda: self.store.held_ids())
         self.store = BlockStore(settings.store_config(), self.metrics, self.publisher)
         self.metrics.bind_gauges(self.store.stats)
-        self.dataplane = DataPlane(self.store, self.metrics)
+        self.dataplane = DataPlane(self.store, self.metrics, self._publish)
         self.transport: Transport | None = None
         self.listener: Listener | None = None
         self.heartbeat: Heartbeat | None = None
         self._sweeper: asyncio.Task[None] | None = None
+
+    async def _publish(self) -> None:
+        """Index a commit before acknowledging it, bounded so a slow Redis cannot stall puts."""
+        if self.heartbeat is None or not self.heartbeat.healthy:
+            return  # degraded: the publisher resyncs when Redis is back
+        try:
+            await asyncio.wait_for(asyncio.shield(self.publisher.flush()), PUBLISH_WAIT_S)
+        except TimeoutError:
+            log.warning("index update slower than %.1fs; continuing", PUBLISH_WAIT_S)
 
     async def start(self) -> None:
         s = self.settings

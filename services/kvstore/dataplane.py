@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import count
 
 import numpy as np
@@ -53,9 +53,15 @@ def _error(exc: KVStoreError) -> bytes:
 
 
 class DataPlane:
-    def __init__(self, store: BlockStore, metrics: StoreMetrics):
+    def __init__(
+        self,
+        store: BlockStore,
+        metrics: StoreMetrics,
+        publish: Callable[[], Awaitable[object]] | None = None,
+    ):
         self.store = store
         self.metrics = metrics
+        self.publish = publish  # awaited after a commit: the reply means "indexed"
         self._clients: Counter[str] = Counter()
         self._anon = count(1)
 
@@ -103,6 +109,11 @@ class DataPlane:
                 await self._write(conn, frame, req)
             elif isinstance(req, Get):
                 await self._get(conn, req)
+            elif isinstance(req, Commit):
+                self.store.commit(req.ids)
+                if self.publish is not None:
+                    await self.publish()
+                await conn.send(OK)
             else:
                 await conn.send(self._simple(req, client))
         except KVStoreError as exc:
@@ -114,16 +125,14 @@ class DataPlane:
         return client
 
     def _simple(
-        self, req: Reserve | Commit | Revoke | Lookup | Lease | Release | Ping, client: str
+        self, req: Reserve | Revoke | Lookup | Lease | Release | Ping, client: str
     ) -> bytes:
         s = self.store
         if isinstance(req, Reserve):
             return encode(
                 Response(statuses=s.reserve(client, req.blocks, req.num_layers, req.ttl_s))
             )
-        if isinstance(req, Commit):
-            s.commit(req.ids)
-        elif isinstance(req, Revoke):
+        if isinstance(req, Revoke):
             s.revoke(req.ids)
         elif isinstance(req, Lookup):
             return encode(Response(num_hit=s.lookup(req.ids)))

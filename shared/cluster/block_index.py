@@ -84,6 +84,7 @@ class IndexPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._flushing = asyncio.Lock()
 
     def added(self, ids: Sequence[str]) -> None:
         self._add.update(ids)
@@ -105,7 +106,16 @@ class IndexPublisher:
         self._wake.set()
 
     async def flush(self) -> bool:
-        """Push pending changes now; False (and kept pending) when Redis is down."""
+        """Push pending changes now; False (and kept pending) when Redis is down.
+
+        Serialised: when it returns, every change recorded before the call is
+        in Redis (or Redis was unreachable), including ones a concurrent flush
+        had already picked up.
+        """
+        async with self._flushing:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
         if self._resync:
             self._add = set(self.held())
             self._resync = False

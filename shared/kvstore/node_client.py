@@ -112,8 +112,10 @@ class NodeClient:
                 raise TransportTimeoutError(
                     f"store {self.instance_id} did not answer within {self.timeout_s + wait_s:.1f}s"
                 ) from exc
+            except KVStoreError:
+                raise  # a refusal is a complete reply: the connection is still in step
             except BaseException:
-                if conn is not None:
+                if conn is not None:  # mid-exchange failure: the stream cannot be resynced
                     await conn.close()
                     conn = None
                 raise

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from shared.errors import ProtocolError
 
@@ -59,8 +60,10 @@ class Frame:
 
 def as_bytes_view(buf: Buffer) -> memoryview:
     """A flat, byte-typed view of ``buf`` (no copy)."""
-    if hasattr(buf, "numpy") and hasattr(buf, "is_contiguous"):  # CPU torch tensor
-        buf = buf.numpy()
+    if hasattr(buf, "is_contiguous") and hasattr(buf, "numpy"):  # CPU torch tensor
+        if not buf.is_contiguous():
+            raise ValueError("transport buffers must be contiguous")
+        buf = buf.detach().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
     view = memoryview(buf)
     if not view.contiguous:
         raise ValueError("transport buffers must be contiguous")

@@ -1,0 +1,355 @@
+"""A real KV store process over a real redis-server, driven through both transports."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from shared.cluster.keys import Keys
+from shared.cluster.membership import live_members
+from shared.errors import KVBadRequestError, KVMissError
+from shared.kvstore.client import KVStoreClient
+from shared.kvstore.node_client import NodeClient
+from shared.kvstore.protocol import BlockSpec
+from shared.procs import RedisProcess
+from shared.transport import Transport
+from tests.services.kvstore.conftest import TRANSPORTS, ClientFactory, StoreFactory, prefix
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+RNG = np.random.default_rng(0)
+
+
+def blocks(n: int, size: int) -> list[np.ndarray]:
+    return [RNG.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def ids(n: int, tag: int = 0) -> list[str]:
+    base = time.monotonic_ns()
+    return [f"{base:016x}{tag:04x}{i:012x}" for i in range(n)]
+
+
+def misbehave(mode: str, port: int, transport: str) -> subprocess.CompletedProcess[str]:
+    module = "tests.services.kvstore.misbehaving_client"
+    args = [sys.executable, "-m", module, mode, "127.0.0.1", str(port), transport]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+async def only_node(client: KVStoreClient) -> NodeClient:
+    (node,) = await client.nodes(force=True)
+    return node
+
+
+async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result if isinstance(result, bool) else await result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_round_trips_are_byte_exact(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    p = prefix()
+    start_store(transport, p)
+    client = make_client(transport, p)
+    for size, layers in [(1024, 1), (23_040 * 16, 30), (46_080 * 16, 30), (3 << 20, 8)]:
+        data, keys = blocks(5, size), ids(5, size % 9973)
+        await client.put(keys, data, num_layers=layers)
+        out = [np.zeros(size, np.uint8) for _ in keys]
+        await client.get(keys, out)
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        assert await client.lookup(keys) == 5
+        if layers > 1:  # a layer range of each block
+            lb = size // layers
+            part = [np.zeros(2 * lb, np.uint8) for _ in keys]
+            await client.get(keys, part, layers=(layers - 2, layers))
+            assert all(np.array_equal(a[-2 * lb :], b) for a, b in zip(data, part, strict=True))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_layerwise_write_streams_to_a_waiting_reader(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    p = prefix()
+    start_store(transport, p)
+    writer, reader = make_client(transport, p), make_client(transport, p)
+    layers, size = 30, 46_080 * 16
+    data, keys = blocks(6, size), ids(6)
+    handle = await writer.begin_put(keys, [size] * 6, num_layers=layers)
+    out = [np.zeros(size, np.uint8) for _ in keys]
+    seen: list[int] = []
+
+    async def read() -> None:
+        async for layer in reader.stream(keys, out, num_layers=layers, wait_s=20):
+            seen.append(layer)
+
+    task = asyncio.create_task(read())
+    lb = size // layers
+    for layer in range(layers):
+        await handle.write(
+            keys, [d[layer * lb : (layer + 1) * lb] for d in data], (layer, layer + 1)
+        )
+        if layer == 3:
+            await wait_until(lambda: len(seen) >= 4)  # the reader has layers before the commit
+    await handle.commit()
+    await asyncio.wait_for(task, 20)
+    assert seen == list(range(layers))
+    assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_concurrent_writers_and_readers(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    p = prefix()
+    start_store(transport, p)
+    clients = [make_client(transport, p) for _ in range(3)]
+    size = 23_040 * 16
+    jobs = [(ids(4, tag), blocks(4, size)) for tag in range(12)]
+
+    async def put_then_get(i: int, keys: list[str], data: list[np.ndarray]) -> bool:
+        client = clients[i % len(clients)]
+        await client.put(keys, data, num_layers=30)
+        out = [np.zeros(size, np.uint8) for _ in keys]
+        await clients[(i + 1) % len(clients)].get(keys, out)
+        return all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+
+    assert all(await asyncio.gather(*(put_then_get(i, k, d) for i, (k, d) in enumerate(jobs))))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_writer_killed_mid_put_leaves_nothing_visible(
+    transport: str,
+    start_store: StoreFactory,
+    make_client: ClientFactory,
+    redis_server: RedisProcess,
+) -> None:
+    p = prefix()
+    start_store(transport, p)
+    client = make_client(transport, p)
+    node = await only_node(client)
+    port = str(node.member.data_port)
+    mode = "mid-put"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.services.kvstore.misbehaving_client",
+            mode,
+            "127.0.0.1",
+            port,
+            transport,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "half-written" in proc.stdout, proc.stderr
+    dead = [f"dead{i:08x}".ljust(32, "0") for i in range(4)]
+
+    async def freed() -> bool:
+        return (await node.ping())["blocks_reserved"] == 0
+
+    await wait_until(freed)  # the writer's last connection closed: reservation freed
+    assert await client.lookup(dead) == 0
+    with pytest.raises(KVMissError):
+        await node.get(dead, [np.zeros(8 * 4096, np.uint8)] * 4, wait_s=0.2)
+    assert (await node.ping())["bytes_used"] == 0
+
+
+async def test_client_vanishing_mid_transfer_frees_its_reservation(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    p = prefix()
+    start_store("tcp", p)
+    node = await only_node(make_client("tcp", p))
+    proc = misbehave("mid-transfer", int(node.member.data_port or 0), "tcp")
+    assert "partial" in proc.stdout, proc.stderr
+
+    async def freed() -> bool:
+        stats = await node.ping()
+        return stats["blocks_reserved"] == 0 and stats["bytes_used"] == 0
+
+    await wait_until(freed)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_bad_input_gets_clear_errors_and_leaks_nothing(
+    transport: str,
+    start_store: StoreFactory,
+    make_client: ClientFactory,
+    transports: dict[str, Transport],
+) -> None:
+    p = prefix()
+    start_store(transport, p)
+    node = await only_node(make_client(transport, p))
+    keys = ids(2)
+    await node.reserve([BlockSpec(id=k, size=4096) for k in keys], num_layers=4)
+    with pytest.raises(KVBadRequestError, match="do not match"):
+        await node.write(keys, [np.zeros(4096, np.uint8), np.zeros(4000, np.uint8)])
+    with pytest.raises(KVBadRequestError, match="outside"):
+        await node.write(keys, [np.zeros(1024, np.uint8)] * 2, layers=(3, 5))
+    await node.revoke(keys)
+    with pytest.raises(KVMissError):
+        await node.get(ids(3, 7), [np.zeros(4096, np.uint8)] * 3, wait_s=5)  # unknown: no waiting
+    with pytest.raises(KVBadRequestError, match="largest block"):
+        await node.reserve([BlockSpec(id=ids(1, 9)[0], size=64 << 20)], num_layers=1)
+    with pytest.raises(KVBadRequestError, match="not reserved"):
+        await node.write(ids(1, 5), [np.zeros(16, np.uint8)])
+    # A frame whose header is not a valid request: answered, connection still usable.
+    conn = await transports[transport].connect("127.0.0.1", int(node.member.data_port or 0))
+    await conn.send(b'{"op": "explode", "ids": 5}', [np.zeros(100, np.uint8)])
+    frame = await conn.recv()
+    assert b'"bad_request"' in frame.header
+    await conn.send(b"not json at all")
+    assert b'"bad_request"' in (await conn.recv()).header
+    await conn.close()
+    # Raw garbage on the data port: the server drops that connection and stays up.
+    with socket.create_connection(("127.0.0.1", int(node.member.data_port or 0))) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 64)
+        time.sleep(0.2)
+    stats = await node.ping()
+    assert stats["blocks_reserved"] == 0 and stats["bytes_used"] == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_capacity_pressure_spares_leases_and_keeps_the_index_exact(
+    transport: str,
+    start_store: StoreFactory,
+    make_client: ClientFactory,
+    redis_server: RedisProcess,
+) -> None:
+    p = prefix()
+    store = start_store(transport, p, capacity_gb="0.03125", slab_mb="4")  # 32 MiB
+    client = make_client(transport, p)
+    size = 46_080 * 16  # 720 KiB: 5 per 4 MiB slab, 40 in the store
+    pinned_keys, pinned_data = ids(4, 1), blocks(4, size)
+    await client.put(pinned_keys, pinned_data, num_layers=30)
+    lease = await client.lease(pinned_keys, ttl_s=120)
+    for round_ in range(12):  # 96 more blocks through a 40-block store
+        await client.put(ids(8, 100 + round_), blocks(8, size), num_layers=30)
+    out = [np.zeros(size, np.uint8) for _ in pinned_keys]
+    await client.get(pinned_keys, out)
+    assert all(np.array_equal(a, b) for a, b in zip(pinned_data, out, strict=True))
+    await lease.release()
+    metrics = httpx.get(f"{store.http}/metrics").text
+    assert "baton_kvstore_evictions_total" in metrics
+    evicted = [
+        line for line in metrics.splitlines() if line.startswith("baton_kvstore_evictions_total")
+    ]
+    assert float(evicted[0].split()[-1]) >= 56
+
+    redis = aioredis.from_url(redis_server.url)
+    node = await only_node(client)
+
+    async def consistent() -> bool:
+        indexed = set()
+        async for key in redis.scan_iter(match=f"{p}:block:*", count=1000):
+            if await redis.sismember(key, store.instance_id):
+                indexed.add(key.decode().rsplit(":", 1)[1])
+        held = {k for k in indexed if await node.lookup([k]) == 1}
+        stats = await node.ping()
+        return held == indexed and len(indexed) == stats["blocks_held"]
+
+    await wait_until(consistent)
+    await redis.aclose()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_replicated_blocks_survive_a_store_node_kill(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    p = prefix()
+    nodes = [start_store(transport, p) for _ in range(3)]
+    client = make_client(transport, p, replication=2, timeout_s=5.0)
+    size = 23_040 * 16
+    keys, data = ids(24), blocks(24, size)
+    await client.put(keys, data, num_layers=30)
+    held = {n.instance_id: (await n.ping())["blocks_held"] for n in await client.nodes(force=True)}
+    assert sum(held.values()) == 2 * len(keys)
+    victim = max(nodes, key=lambda n: held[n.instance_id])
+    victim.proc.kill()
+    out = [np.zeros(size, np.uint8) for _ in keys]
+    await client.get(keys, out)  # the dead node is still registered (TTL): reads fall back
+    assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+
+
+async def test_http_control_plane_and_clean_shutdown(
+    start_store: StoreFactory, make_client: ClientFactory, redis_server: RedisProcess
+) -> None:
+    p = prefix()
+    store = start_store("tcp", p)
+    client = make_client("tcp", p)
+    keys = ids(3)
+    await client.put(keys, blocks(3, 4096), num_layers=1)
+    assert httpx.get(f"{store.http}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{store.http}/ready").json()
+    assert ready["status"] == "ready" and ready["redis"] is True
+    assert httpx.get(f"{store.http}/stats").json()["blocks_held"] == 3
+    metrics = httpx.get(f"{store.http}/metrics").text
+    for name in (
+        "bytes_in_total",
+        "bytes_out_total",
+        "blocks_held",
+        "hits_total",
+        "op_seconds_bucket",
+    ):
+        assert f"baton_kvstore_{name}" in metrics
+    redis = aioredis.from_url(redis_server.url)
+    keyspace = Keys(p)
+
+    async def indexed() -> bool:
+        return await client.lookup(keys) == 3
+
+    await wait_until(indexed)
+    assert store.proc.stop() is not None  # SIGTERM: clean shutdown
+    assert await live_members(redis, keyspace, "kvstore") == []
+    assert await redis.exists(*(keyspace.block(k) for k in keys)) == 0
+    await redis.aclose()
+
+
+async def test_redis_outage_is_degraded_not_fatal(
+    start_store: StoreFactory, transports: dict[str, Transport]
+) -> None:
+    """Kill Redis under a running store: data plane keeps serving; on return it re-registers."""
+    own = RedisProcess().start()
+    try:
+        p = prefix()
+        store = start_store("tcp", p, redis_url=own.url)
+        redis = aioredis.from_url(own.url)
+        client = KVStoreClient(transports["tcp"], redis, Keys(p), refresh_s=0.1)
+        node = await only_node(client)
+        own.stop()
+        keys, data = ids(2), blocks(2, 4096)
+        await asyncio.sleep(0.5)
+        assert httpx.get(f"{store.http}/ready").json()["status"] == "degraded"
+        await node.reserve([BlockSpec(id=k, size=4096) for k in keys], 1)
+        await node.write(keys, data)
+        await node.commit(keys)
+        out = [np.zeros(4096, np.uint8) for _ in keys]
+        await node.get(keys, out)
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        own.start()  # same port, empty state
+
+        async def back() -> bool:
+            return await client.lookup(keys) == 2 and len(await client.nodes(force=True)) == 1
+
+        await wait_until(back)
+        await client.close()
+        await redis.aclose()
+    finally:
+        own.stop()
