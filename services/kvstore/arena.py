@@ -13,10 +13,10 @@ are DMA), otherwise plain pages zero-filled lazily by the OS.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,19 @@ class _SizeClass:
     used: dict[int, int] = field(default_factory=dict)  # slab -> slots in use
 
 
+def cuda_present() -> bool:
+    """A usable CUDA device, without importing torch on hosts that have no driver."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _allocate_buffer(capacity: int, pinned: bool) -> np.ndarray:
     if pinned:
+        import torch
+
         return torch.empty(capacity, dtype=torch.uint8, pin_memory=True).numpy()
     return np.zeros(capacity, dtype=np.uint8)  # calloc: pages appear on first touch
 
@@ -48,7 +59,7 @@ class Arena:
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity // slab_bytes
         self.capacity = self.num_slabs * slab_bytes
-        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.pinned = cuda_present() if pinned is None else pinned
         self.buffer = _allocate_buffer(self.capacity, self.pinned)
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._classes: dict[int, _SizeClass] = {}

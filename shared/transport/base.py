@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from shared.errors import ProtocolError
 
@@ -63,6 +62,8 @@ def as_bytes_view(buf: Buffer) -> memoryview:
     if hasattr(buf, "is_contiguous") and hasattr(buf, "numpy"):  # CPU torch tensor
         if not buf.is_contiguous():
             raise ValueError("transport buffers must be contiguous")
+        import torch  # already loaded: ``buf`` is a tensor
+
         buf = buf.detach().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
     view = memoryview(buf)
     if not view.contiguous:

@@ -159,10 +159,24 @@ class UcxConnection(Connection):
             if isinstance(result, BaseException):
                 raise result
 
-    def _layout(self, sizes: Sequence[int]) -> tuple[list[Group], np.ndarray]:
-        """Groups, and one staging area with room for every staged group."""
-        groups = plan_groups(sizes)
-        return groups, self._stage(sum(g.nbytes for g in groups if g.staged))
+    def _messages(
+        self, views: Sequence[memoryview]
+    ) -> tuple[list[np.ndarray], list[tuple[Group, np.ndarray]]]:
+        """One buffer per UCX message for ``views``, and the staged groups' areas."""
+        groups = plan_groups([v.nbytes for v in views])
+        stage = self._stage(sum(g.nbytes for g in groups if g.staged))
+        messages: list[np.ndarray] = []
+        staged: list[tuple[Group, np.ndarray]] = []
+        used = 0
+        for group in groups:
+            if not group.staged:
+                messages.append(np.frombuffer(views[group.start], dtype=np.uint8))
+                continue
+            area = stage[used : used + group.nbytes]
+            used += group.nbytes
+            messages.append(area)
+            staged.append((group, area))
+        return messages, staged
 
     async def send(self, header: bytes, segments: Sequence[Buffer] = ()) -> None:
         views = [as_bytes_view(s) for s in segments]
@@ -178,19 +192,13 @@ class UcxConnection(Connection):
                 np.frombuffer(bytes(pre), dtype=np.uint8),
                 np.frombuffer(control[PREAMBLE.size :], dtype=np.uint8),
             ]
-        groups, stage = self._layout(sizes)
-        used = 0
-        for group in groups:
-            if not group.staged:
-                messages.append(np.frombuffer(views[group.start], dtype=np.uint8))
-                continue
-            area = stage[used : used + group.nbytes]
-            used += group.nbytes
+        payload, staged = self._messages(views)
+        for group, area in staged:  # gather small segments into their staging area
             offset = 0
             for view in views[group.start : group.stop]:
                 area[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
                 offset += view.nbytes
-            messages.append(area)
+        messages += payload
         await self._all("send", messages)
 
     async def recv(self) -> Frame:
@@ -215,16 +223,7 @@ class UcxConnection(Connection):
 
     async def recv_segments(self, frame: Frame, into: Sequence[Buffer]) -> None:
         views = check_into(frame, into)
-        groups, stage = self._layout(frame.sizes)
-        messages, staged, used = [], [], 0
-        for group in groups:
-            if not group.staged:
-                messages.append(np.frombuffer(views[group.start], dtype=np.uint8))
-                continue
-            area = stage[used : used + group.nbytes]
-            used += group.nbytes
-            messages.append(area)
-            staged.append((group, area))
+        messages, staged = self._messages(views)
         if messages:
             await self._all("recv", messages)
         for group, area in staged:

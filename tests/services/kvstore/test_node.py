@@ -353,3 +353,18 @@ async def test_redis_outage_is_degraded_not_fatal(
         await redis.aclose()
     finally:
         own.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_thousands_of_small_blocks_in_one_frame(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """A frame header over 64 KiB and thousands of sub-threshold segments (UCX stages them)."""
+    p = prefix()
+    start_store(transport, p)
+    client = make_client(transport, p)
+    data, keys = blocks(3000, 256), ids(3000)
+    await client.put(keys, data, num_layers=2)
+    out = [np.zeros(256, np.uint8) for _ in keys]
+    await client.get(keys, out)
+    assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
