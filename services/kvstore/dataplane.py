@@ -30,6 +30,7 @@ from shared.kvstore.protocol import (
     Lease,
     Lookup,
     Ping,
+    Put,
     Release,
     Reserve,
     Response,
@@ -98,7 +99,7 @@ class DataPlane:
                 where = ".".join(str(p) for p in first["loc"])
                 raise KVBadRequestError(f"invalid request ({where}): {first['msg']}") from exc
             op = req.op
-            if frame.sizes and not isinstance(req, Write):
+            if frame.sizes and not isinstance(req, Write | Put):
                 raise KVBadRequestError(f"op {op!r} takes no payload")
             if isinstance(req, Hello):
                 self._leave(client)
@@ -107,6 +108,8 @@ class DataPlane:
                 await conn.send(OK)
             elif isinstance(req, Write):
                 await self._write(conn, frame, req)
+            elif isinstance(req, Put):
+                await self._put(conn, frame, req, client)
             elif isinstance(req, Get):
                 await self._get(conn, req)
             elif isinstance(req, Commit):
@@ -160,6 +163,32 @@ class DataPlane:
             self.store.end_write(transfer, ok)
         self.metrics.bytes_in.inc(frame.payload_bytes)
         await conn.send(OK)
+
+    async def _put(self, conn: Connection, frame: Frame, req: Put, client: str) -> None:
+        sizes = tuple(b.size for b in req.blocks)
+        if frame.sizes != sizes:
+            raise KVBadRequestError(f"put of {len(sizes)} blocks needs one segment per block")
+        statuses = self.store.reserve(client, req.blocks, req.num_layers, req.ttl_s)
+        fresh = [b.id for b, st in zip(req.blocks, statuses, strict=True) if st == "reserved"]
+        transfer = self.store.begin_write(fresh, None)
+        slots = iter(transfer.views)
+        into = [  # blocks held already are drained into scratch and dropped
+            next(slots) if st == "reserved" else np.empty(b.size, dtype=np.uint8)
+            for b, st in zip(req.blocks, statuses, strict=True)
+        ]
+        ok = False
+        try:
+            await conn.recv_segments(frame, into)
+            ok = True
+        finally:
+            self.store.end_write(transfer, ok)
+            if not ok:
+                self.store.revoke(fresh)
+        self.metrics.bytes_in.inc(frame.payload_bytes)
+        self.store.commit(fresh)
+        if self.publish is not None:
+            await self.publish()
+        await conn.send(encode(Response(statuses=statuses)))
 
     async def _get(self, conn: Connection, req: Get) -> None:
         entries = self.store.open_read(req.ids)

@@ -1,8 +1,8 @@
 """The global prompt index: block id -> the instances that hold it.
 
 One Redis set per block id (members = instance ids), with a TTL refreshed on
-every registration. Multi-key updates run as one MULTI/EXEC transaction, so a
-reader never sees half of a batch. Readers filter holders by live membership,
+every registration. A batch is one Lua script call, atomic, so a reader never
+sees half of a batch. Readers filter holders by live membership,
 so a crashed instance's entries are ignored until their TTL removes them.
 
 :class:`IndexPublisher` is the writer side for one instance: it coalesces
@@ -25,6 +25,22 @@ from shared.cluster.keys import Keys
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.02
 BATCH = 2048
+# ARGV: key prefix, instance id, ttl ms, block ids...
+_ADD = """
+for i = 4, #ARGV do
+  local key = ARGV[1] .. ARGV[i]
+  redis.call('SADD', key, ARGV[2])
+  redis.call('PEXPIRE', key, ARGV[3])
+end
+return #ARGV - 3
+"""
+# ARGV: key prefix, instance id, block ids...
+_REMOVE = """
+for i = 3, #ARGV do
+  redis.call('SREM', ARGV[1] .. ARGV[i], ARGV[2])
+end
+return #ARGV - 2
+"""
 
 
 class BlockIndex:
@@ -32,22 +48,20 @@ class BlockIndex:
         self.redis = redis
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
+        # One atomic script call per batch instead of two commands per block:
+        # commits are acknowledged only once indexed, so this is on the put path.
+        self._add = redis.register_script(_ADD)
+        self._remove = redis.register_script(_REMOVE)
 
     async def add(self, instance_id: str, ids: Sequence[str]) -> None:
         for start in range(0, len(ids), BATCH):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for block_id in ids[start : start + BATCH]:
-                    key = self.keys.block(block_id)
-                    pipe.sadd(key, instance_id)
-                    pipe.pexpire(key, self.ttl_ms)
-                await pipe.execute()
+            batch = ids[start : start + BATCH]
+            await self._add(args=[self.keys.block(""), instance_id, self.ttl_ms, *batch])
 
     async def remove(self, instance_id: str, ids: Sequence[str]) -> None:
         for start in range(0, len(ids), BATCH):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for block_id in ids[start : start + BATCH]:
-                    pipe.srem(self.keys.block(block_id), instance_id)
-                await pipe.execute()
+            batch = ids[start : start + BATCH]
+            await self._remove(args=[self.keys.block(""), instance_id, *batch])
 
     async def holders(self, ids: Sequence[str]) -> list[set[str]]:
         if not ids:

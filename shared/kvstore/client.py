@@ -182,15 +182,25 @@ class KVStoreClient:
     async def put(
         self, ids: Sequence[str], blocks: Sequence[Buffer], *, num_layers: int = 1
     ) -> None:
-        """Whole blocks, two-phase, to every replica."""
-        sizes = [as_bytes_view(b).nbytes for b in blocks]
-        handle = await self.begin_put(ids, sizes, num_layers=num_layers)
-        try:
-            await handle.write(ids, blocks)
-            await handle.commit()
-        except BaseException:
-            await handle.revoke()
-            raise
+        """Whole blocks to every replica, one round trip per node (reserve+write+commit)."""
+        ranked = await self._ranked(ids)
+        per_node: dict[str, list[int]] = defaultdict(list)
+        nodes: dict[str, NodeClient] = {}
+        for pos, block_id in enumerate(ids):
+            for node in ranked[block_id][: self.replication]:
+                per_node[node.instance_id].append(pos)
+                nodes[node.instance_id] = node
+        views = [as_bytes_view(b) for b in blocks]
+        await asyncio.gather(
+            *(
+                nodes[n].put(
+                    [BlockSpec(id=ids[p], size=views[p].nbytes) for p in positions],
+                    [views[p] for p in positions],
+                    num_layers,
+                )
+                for n, positions in per_node.items()
+            )
+        )
 
     # ----- reads ----------------------------------------------------------
     async def get(

@@ -37,6 +37,7 @@ from shared.kvstore.protocol import (
     Lease,
     Lookup,
     Ping,
+    Put,
     Release,
     Reserve,
     Response,
@@ -154,6 +155,19 @@ class NodeClient:
     ) -> list[BlockStatus]:
         resp = await self._call(Reserve(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s))
         return list(resp.statuses or [])
+
+    async def put(
+        self,
+        specs: Sequence[BlockSpec],
+        segments: Sequence[Buffer],
+        num_layers: int,
+        ttl_s: float = 30.0,
+    ) -> list[BlockStatus]:
+        """Whole blocks in one round trip: reserved, written and committed on the node."""
+        req = Put(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s)
+        async with self._connection() as conn:
+            await conn.send(encode(req), segments)
+            return list(_raise_for(await self._reply(conn)).statuses or [])
 
     async def write(
         self, ids: Sequence[str], segments: Sequence[Buffer], layers: Layers | None = None

@@ -7,6 +7,9 @@ payload segments follow the rules of each op. Every response header carries
 
 Payload rules (one segment per block id, in the order of ``ids``):
 - ``write`` whole blocks: each segment is the block's full size.
+- ``put``: like a whole-block ``write`` of freshly reserved blocks, committed
+  on arrival; blocks the node already holds (or is receiving from another
+  writer) are drained and skipped. The reply's ``statuses`` say which.
 - ``write`` with ``layers=[a, b)``: each segment is bytes
   ``[a*layer_bytes, b*layer_bytes)`` of its block (layer-major layout).
 - ``get`` answers the same way: one ``chunk`` frame with whole blocks, or,
@@ -68,6 +71,12 @@ class Reserve(_Wire):
         return self
 
 
+class Put(Reserve):
+    """Reserve + write whole blocks + commit in one frame (one segment per block)."""
+
+    op: Literal["put"] = "put"  # type: ignore[assignment]
+
+
 class Write(_Wire):
     op: Literal["write"] = "write"
     ids: Ids
@@ -113,7 +122,7 @@ class Ping(_Wire):
 
 
 Request = Annotated[
-    Hello | Reserve | Write | Commit | Revoke | Get | Lookup | Lease | Release | Ping,
+    Hello | Reserve | Put | Write | Commit | Revoke | Get | Lookup | Lease | Release | Ping,
     Field(discriminator="op"),
 ]
 REQUEST = TypeAdapter(Request)
