@@ -105,3 +105,17 @@ async def make_client(
 
 def prefix() -> str:
     return f"t{uuid.uuid4().hex[:8]}"
+
+
+OneStore = Callable[..., tuple[StoreNode, KVStoreClient]]
+
+
+@pytest.fixture
+def one_store(start_store: StoreFactory, make_client: ClientFactory) -> OneStore:
+    """A store node under a fresh key prefix, and a client of it."""
+
+    def make(transport: str, **settings: str) -> tuple[StoreNode, KVStoreClient]:
+        p = prefix()
+        return start_store(transport, p, **settings), make_client(transport, p)
+
+    return make

@@ -22,7 +22,13 @@ from shared.kvstore.node_client import NodeClient
 from shared.kvstore.protocol import BlockSpec
 from shared.procs import RedisProcess
 from shared.transport import Transport
-from tests.services.kvstore.conftest import TRANSPORTS, ClientFactory, StoreFactory, prefix
+from tests.services.kvstore.conftest import (
+    TRANSPORTS,
+    ClientFactory,
+    OneStore,
+    StoreFactory,
+    prefix,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 RNG = np.random.default_rng(0)
@@ -60,12 +66,8 @@ async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: flo
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_round_trips_are_byte_exact(
-    transport: str, start_store: StoreFactory, make_client: ClientFactory
-) -> None:
-    p = prefix()
-    start_store(transport, p)
-    client = make_client(transport, p)
+async def test_round_trips_are_byte_exact(transport: str, one_store: OneStore) -> None:
+    _, client = one_store(transport)
     for size, layers in [(1024, 1), (23_040 * 16, 30), (46_080 * 16, 30), (3 << 20, 8)]:
         data, keys = blocks(5, size), ids(5, size % 9973)
         await client.put(keys, data, num_layers=layers)
@@ -229,13 +231,11 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_capacity_pressure_spares_leases_and_keeps_the_index_exact(
     transport: str,
-    start_store: StoreFactory,
-    make_client: ClientFactory,
+    one_store: OneStore,
     redis_server: RedisProcess,
 ) -> None:
-    p = prefix()
-    store = start_store(transport, p, capacity_gb="0.03125", slab_mb="4")  # 32 MiB
-    client = make_client(transport, p)
+    store, client = one_store(transport, capacity_gb="0.03125", slab_mb="4")  # 32 MiB
+    p = client.keys.prefix
     size = 46_080 * 16  # 720 KiB: 5 per 4 MiB slab, 40 in the store
     pinned_keys, pinned_data = ids(4, 1), blocks(4, size)
     await client.put(pinned_keys, pinned_data, num_layers=30)
@@ -289,11 +289,10 @@ async def test_replicated_blocks_survive_a_store_node_kill(
 
 
 async def test_http_control_plane_and_clean_shutdown(
-    start_store: StoreFactory, make_client: ClientFactory, redis_server: RedisProcess
+    one_store: OneStore, redis_server: RedisProcess
 ) -> None:
-    p = prefix()
-    store = start_store("tcp", p)
-    client = make_client("tcp", p)
+    store, client = one_store("tcp")
+    p = client.keys.prefix
     keys = ids(3)
     await client.put(keys, blocks(3, 4096), num_layers=1)
     assert httpx.get(f"{store.http}/health").json() == {"status": "ok"}
@@ -356,13 +355,9 @@ async def test_redis_outage_is_degraded_not_fatal(
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_thousands_of_small_blocks_in_one_frame(
-    transport: str, start_store: StoreFactory, make_client: ClientFactory
-) -> None:
+async def test_thousands_of_small_blocks_in_one_frame(transport: str, one_store: OneStore) -> None:
     """A frame header over 64 KiB and thousands of sub-threshold segments (UCX stages them)."""
-    p = prefix()
-    start_store(transport, p)
-    client = make_client(transport, p)
+    _, client = one_store(transport)
     data, keys = blocks(3000, 256), ids(3000)
     await client.put(keys, data, num_layers=2)
     out = [np.zeros(256, np.uint8) for _ in keys]
