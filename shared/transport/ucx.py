@@ -15,21 +15,17 @@ Framing over UCX tag messages, all on the endpoint's own tag so order holds:
 
 Tuning (chosen on a 2-vCPU VM, see benchmarks/kv_transfer_bench.py):
 
-- progress: UCXX's ``thread`` mode *with Python futures* (a notifier thread
-  completes asyncio futures). UCXX's defaults (thread mode without futures)
-  poll every pending request with ``asyncio.sleep(0)``, fighting the progress
-  thread for the GIL (0.6-0.7 GB/s); ``blocking``/``polling`` modes are as
-  fast (3-4 GB/s) but busy-wait the same way, so a store with one idle client
-  connection burns a core forever. Thread + futures: 3.0-3.3 GB/s, idle at 0%.
-  The notifier thread binds to the running event loop, so construct the
-  transport inside it, and call ``shutdown()`` before exiting (the thread is
-  not a daemon). ``UCXPY_PROGRESS_MODE=blocking`` trades an always-busy core
-  for 1.2-1.8x raw-TCP throughput.
+- progress: event-driven from the asyncio loop (:mod:`shared.transport.ucx_progress`)
+  instead of UCXX's modes, which either busy-wait every pending request (a
+  store with one idle client burnt a core) or hand every completion through a
+  notifier thread (~1 ms round trips). ``UCXPY_PROGRESS_MODE`` set in the
+  environment selects UCXX's own waiting instead.
 - TCP segments of 4 MiB instead of 8 KiB (fewer trips through bounce buffers).
 - transports ``tcp,cma``: the only ones here that support UCXX's endpoint
   error handling (a dead peer is an error, not a hang), with cma's
   single-copy ``get_zcopy`` rendezvous for large messages between processes
-  on one host (about 1.3-2x a raw TCP socket).
+  on one host.
+- every message of a frame is posted at once and awaited together.
 
 Any ``UCX_*`` environment variable overrides these.
 """
@@ -61,6 +57,7 @@ from shared.transport.base import (
     decode_sizes,
     encode_preamble,
 )
+from shared.transport.ucx_progress import Completions, Poster, install
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +111,17 @@ def _ucx() -> Any:
 
 
 class UcxConnection(Connection):
-    def __init__(self, endpoint: Any, peer: str, errors: tuple[type[BaseException], ...]):
+    def __init__(
+        self,
+        endpoint: Any,
+        peer: str,
+        errors: tuple[type[BaseException], ...],
+        poster: Poster | None,
+    ):
         self._ep = endpoint
         self._errors = errors
+        self._lost: tuple[type[BaseException], ...] = (*errors, ConnectionError)
+        self._poster = poster
         self._closed = False
         self._control = np.empty(CONTROL_INLINE_BYTES, dtype=np.uint8)
         self._staging = np.empty(0, dtype=np.uint8)
@@ -131,33 +136,31 @@ class UcxConnection(Connection):
             self._staging = np.empty(nbytes, dtype=np.uint8)
         return self._staging[:nbytes]
 
-    async def _io(self, op: str, buf: Any) -> None:
+    async def _io(self, op: str, buffers: list[np.ndarray]) -> None:
+        """Post every message at once (UCX keeps their order on the endpoint) and
+        wait for all of them."""
         if self.closed:
             raise PeerLostError(f"connection to {self.peer} is closed")
         try:
-            if op == "send":
-                await self._ep.send(buf)
-            else:
-                await self._ep.recv(buf)
-        except self._errors as exc:
-            self._abort()
-            raise PeerLostError(f"connection to {self.peer} lost: {exc}") from exc
+            if self._poster is not None:
+                futures = [self._poster.post(self._ep, op, b) for b in buffers]
+                self._poster.kick(self._ep)
+            else:  # UCXX's own waiting (UCXPY_PROGRESS_MODE set)
+                call = self._ep.send if op == "send" else self._ep.recv
+                futures = [asyncio.ensure_future(call(b)) for b in buffers]
+            results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
             # A cancelled UCX request may still be matched later: abort the
             # endpoint so nothing writes into the caller's buffer afterwards.
             self._abort()
             raise
-
-    async def _all(self, op: str, buffers: list[np.ndarray]) -> None:
-        """Post every message at once (UCX keeps their order on the endpoint) and
-        wait for all: one notifier round trip per batch instead of per message."""
-        if len(buffers) == 1:
-            await self._io(op, buffers[0])
-            return
-        results = await asyncio.gather(*(self._io(op, b) for b in buffers), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        except self._lost as exc:
+            self._abort()
+            raise PeerLostError(f"connection to {self.peer} lost: {exc}") from exc
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            self._abort()
+            raise PeerLostError(f"connection to {self.peer} lost: {failed}") from failed
 
     def _messages(
         self, views: Sequence[memoryview]
@@ -199,10 +202,10 @@ class UcxConnection(Connection):
                 area[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
                 offset += view.nbytes
         messages += payload
-        await self._all("send", messages)
+        await self._io("send", messages)
 
     async def recv(self) -> Frame:
-        await self._io("recv", self._control)
+        await self._io("recv", [self._control])
         raw = self._control
         try:
             header_len, nseg = decode_preamble(raw[: PREAMBLE.size].tobytes())
@@ -212,7 +215,7 @@ class UcxConnection(Connection):
         rest_len = header_len + 8 * nseg
         if raw[6] & FLAG_LARGE:
             rest = np.empty(rest_len, dtype=np.uint8)
-            await self._io("recv", rest)
+            await self._io("recv", [rest])
         else:
             if PREAMBLE.size + rest_len > CONTROL_INLINE_BYTES:
                 self._abort()
@@ -225,7 +228,7 @@ class UcxConnection(Connection):
         views = check_into(frame, into)
         messages, staged = self._messages(views)
         if messages:
-            await self._all("recv", messages)
+            await self._io("recv", messages)
         for group, area in staged:
             offset = 0
             for view in views[group.start : group.stop]:
@@ -270,17 +273,21 @@ class UcxTransport(Transport):
 
     def __init__(self, options: dict[str, str] | None = None):
         ucxx = _ucx()
-        mode = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
+        ucxx_mode = os.environ.get("UCXPY_PROGRESS_MODE")  # set: UCXX's own waiting
+        completions = Completions()
+        if ucxx_mode is None:
+            install(completions)
         try:
             ucxx.init(
                 options={**DEFAULT_UCX_OPTIONS, **(options or {})},
                 env_takes_precedence=True,
-                progress_mode=mode,
-                enable_python_future=mode.startswith("thread"),
+                progress_mode=ucxx_mode or "blocking",
+                enable_python_future=bool(ucxx_mode and ucxx_mode.startswith("thread")),
             )
         except RuntimeError as exc:  # UCXX keeps one context per process
             log.info("reusing this process's UCX context (%s)", exc)
         self._ucxx = ucxx
+        self._poster = None if ucxx_mode else Poster(completions)
         exc_mod = importlib.import_module("ucxx.exceptions")
         self._errors: tuple[type[BaseException], ...] = (exc_mod.UCXError, exc_mod.UCXCanceled)
 
@@ -288,7 +295,8 @@ class UcxTransport(Transport):
         tasks: set[asyncio.Task[None]] = set()
 
         async def on_connect(endpoint: Any) -> None:
-            conn = UcxConnection(endpoint, f"ucx-peer-{endpoint.uid:#x}", self._errors)
+            peer = f"ucx-peer-{endpoint.uid:#x}"
+            conn = UcxConnection(endpoint, peer, self._errors, self._poster)
             task = asyncio.current_task()
             if task is not None:
                 tasks.add(task)
@@ -313,7 +321,7 @@ class UcxTransport(Transport):
             raise TransportTimeoutError(f"UCX connect to {host}:{port} timed out") from exc
         except self._errors as exc:
             raise PeerLostError(f"cannot connect to {host}:{port} over UCX: {exc}") from exc
-        return UcxConnection(ep, f"{host}:{port}", self._errors)
+        return UcxConnection(ep, f"{host}:{port}", self._errors, self._poster)
 
     async def shutdown(self) -> None:
         self._ucxx.stop_notifier_thread()
