@@ -9,6 +9,7 @@ wheel (a real Redis server, not an emulation).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -23,6 +24,18 @@ from pathlib import Path
 import httpx
 
 from shared.errors import ConfigError
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux), so a killed
+    test run or launcher never leaves services or redis-server behind. The
+    kernel ties this to the *thread* that forked: start processes from a
+    long-lived thread (the main one), not from a short-lived executor thread."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -62,7 +75,12 @@ class RedisProcess:
             "--appendonly", "no",
             "--dir", self._dir,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -105,6 +123,7 @@ class ServiceProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         return self
 
