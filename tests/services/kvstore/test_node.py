@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from shared.cluster.keys import Keys
 from shared.cluster.membership import live_members
-from shared.errors import KVBadRequestError, KVMissError
+from shared.errors import KVBadRequestError, KVMissError, TransportError
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.node_client import NodeClient
 from shared.kvstore.protocol import BlockSpec
@@ -363,3 +363,26 @@ async def test_thousands_of_small_blocks_in_one_frame(transport: str, one_store:
     out = [np.zeros(256, np.uint8) for _ in keys]
     await client.get(keys, out)
     assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_pending_read_fails_fast_when_the_store_dies(
+    transport: str, one_store: OneStore
+) -> None:
+    """A lost peer is an error on the pending operation, long before its own wait bound."""
+    store, client = one_store(transport)
+    keys = ids(2)
+    handle = await client.begin_put(keys, [4096, 4096], num_layers=4)
+    out = [np.zeros(4096, np.uint8) for _ in keys]
+
+    async def read() -> list[int]:
+        return [layer async for layer in client.stream(keys, out, num_layers=4, wait_s=60)]
+
+    reader = asyncio.create_task(read())
+    await handle.write(keys, [np.ones(1024, np.uint8)] * 2, (0, 1))
+    await asyncio.sleep(0.3)  # the reader now waits for layer 1
+    started = time.monotonic()
+    store.proc.kill()
+    with pytest.raises(TransportError):
+        await asyncio.wait_for(reader, 30)
+    assert time.monotonic() - started < 10
