@@ -22,8 +22,9 @@ import asyncio
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -71,20 +72,46 @@ class PutHandle:
     async def write(
         self, ids: Sequence[str], segments: Sequence[Buffer], layers: Layers | None = None
     ) -> None:
-        """Write ``segments`` (per id: whole block or its ``layers`` slice) to every replica."""
+        """Write ``segments`` (per id: whole block or its ``layers`` slice) to every replica.
+
+        A replica that fails (node gone) is dropped from this put; the put goes
+        on while every block keeps at least one live replica.
+        """
         self._check()
         seg_of = dict(zip(ids, segments, strict=True))
-        jobs = []
-        for node, wanted in self.targets.values():
+        calls = {}
+        for node_id, (node, wanted) in self.targets.items():
             mine = [i for i in wanted if i in seg_of]
             if mine:
-                jobs.append(node.write(mine, [seg_of[i] for i in mine], layers))
-        await asyncio.gather(*jobs)
+                calls[node_id] = node.write(mine, [seg_of[i] for i in mine], layers)
+        await self._on_replicas(calls)
 
     async def commit(self) -> None:
         self._check()
         self.done = True
-        await asyncio.gather(*(n.commit(ids) for n, ids in self.targets.values() if ids))
+        await self._on_replicas(
+            {n: node.commit(ids) for n, (node, ids) in self.targets.items() if ids}
+        )
+
+    async def _on_replicas(self, calls: dict[str, Coroutine[Any, Any, None]]) -> None:
+        names = list(calls)
+        results = await asyncio.gather(*calls.values(), return_exceptions=True)
+        failed = {}
+        for node_id, result in zip(names, results, strict=True):
+            if isinstance(result, TransportError):
+                failed[node_id] = result
+            elif isinstance(result, BaseException):
+                raise result
+        if not failed:
+            return
+        dropped = {i for n in failed for i in self.targets.pop(n)[1]}
+        kept = {i for _, ids in self.targets.values() for i in ids}
+        lost = sorted(dropped - kept)
+        if lost:
+            first = next(iter(failed.values()))
+            raise KVUnavailableError(
+                f"{len(lost)} blocks lost their only replica: {first}", lost
+            ) from first
 
     async def revoke(self) -> None:
         if self.done:
@@ -254,58 +281,76 @@ class KVStoreClient:
         num_layers: int,
         wait_s: float,
     ) -> AsyncIterator[int]:
-        """Yields each layer index once that layer of every block is in ``into``.
+        """Yields each layer index, in order, once that layer of every block is in ``into``.
 
         ``into`` holds one whole-block buffer per id. Each block is read from
-        its first-ranked holder (the replica prefill writes first).
+        its first-ranked holder; if that holder is lost mid-stream (or lost
+        the block), its blocks are read again from their next replica. Ends
+        only once every block is confirmed committed.
         """
         ranked = await self._ranked(ids)
         views = [as_bytes_view(b) for b in into]
-        groups: dict[str, list[int]] = defaultdict(list)
-        nodes: dict[str, NodeClient] = {}
-        for pos, block_id in enumerate(ids):
-            node = ranked[block_id][0]
-            groups[node.instance_id].append(pos)
-            nodes[node.instance_id] = node
-        landed: asyncio.Queue[int | BaseException | None] = asyncio.Queue()
+        have: list[set[int]] = [set() for _ in ids]
+        done: set[int] = set()
+        rank_of = [0] * len(ids)
+        events: asyncio.Queue[tuple[list[int], int | None, BaseException | None]] = asyncio.Queue()
 
-        def slicer(positions: list[int]) -> Callable[[int], list[memoryview]]:
-            def layer_views(layer: int) -> list[memoryview]:
+        def layer_views(positions: list[int]) -> Callable[[int], list[memoryview]]:
+            def slices(layer: int) -> list[memoryview]:
                 out = []
                 for p in positions:
                     lb = views[p].nbytes // num_layers
                     out.append(views[p][layer * lb : (layer + 1) * lb])
                 return out
 
-            return layer_views
+            return slices
 
-        async def pump(node_id: str, positions: list[int]) -> None:
+        async def pump(node: NodeClient, positions: list[int]) -> None:
             try:
-                async for layer in nodes[node_id].stream(
+                async for layer in node.stream(
                     [ids[p] for p in positions],
-                    slicer(positions),
+                    layer_views(positions),
                     layers=(0, num_layers),
                     wait_s=wait_s,
                 ):
-                    landed.put_nowait(layer)
-                landed.put_nowait(None)
-            except Exception as exc:  # handed to the consumer, which re-raises it
-                landed.put_nowait(exc)
+                    events.put_nowait((positions, layer, None))
+                events.put_nowait((positions, None, None))
+            except Exception as exc:  # handed to the consumer loop below
+                events.put_nowait((positions, None, exc))
 
-        tasks = [asyncio.create_task(pump(n, p)) for n, p in groups.items()]
-        counts: dict[int, int] = defaultdict(int)
-        finished = 0
+        tasks: list[asyncio.Task[None]] = []
+
+        def launch(positions: Sequence[int]) -> None:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for p in positions:
+                groups[ranked[ids[p]][rank_of[p]].instance_id].append(p)
+            for group in groups.values():
+                node = ranked[ids[group[0]]][rank_of[group[0]]]
+                tasks.append(asyncio.create_task(pump(node, group)))
+
+        launch(range(len(ids)))
+        next_layer = 0
         try:
-            while finished < len(tasks):
-                item = await landed.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    finished += 1
-                    continue
-                counts[item] += 1
-                if counts[item] == len(tasks):
-                    yield item
+            while len(done) < len(ids) or next_layer < num_layers:
+                positions, layer, error = await events.get()
+                if error is not None:
+                    retry = isinstance(error, TransportError | KVMissError) and all(
+                        rank_of[p] + 1 < min(len(ranked[ids[p]]), self.replication)
+                        for p in positions
+                    )
+                    if not retry:
+                        raise error
+                    for p in positions:
+                        rank_of[p] += 1
+                    launch(positions)
+                elif layer is None:
+                    done.update(positions)
+                else:
+                    for p in positions:
+                        have[p].add(layer)
+                while next_layer < num_layers and all(next_layer in h for h in have):
+                    yield next_layer
+                    next_layer += 1
         finally:
             for task in tasks:
                 task.cancel()

@@ -19,6 +19,7 @@ from shared.cluster.membership import live_members
 from shared.errors import KVBadRequestError, KVMissError, TransportError
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.node_client import NodeClient
+from shared.kvstore.placement import rank
 from shared.kvstore.protocol import BlockSpec
 from shared.procs import RedisProcess
 from shared.transport import Transport
@@ -386,3 +387,38 @@ async def test_pending_read_fails_fast_when_the_store_dies(
     with pytest.raises(TransportError):
         await asyncio.wait_for(reader, 30)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_replicated_put_and_stream_survive_a_node_kill_mid_transfer(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """R=2: the writer drops the dead replica, the reader re-reads from the other."""
+    p = prefix()
+    nodes = {n.instance_id: n for n in (start_store(transport, p) for _ in range(3))}
+    writer = make_client(transport, p, replication=2, timeout_s=5.0)
+    reader = make_client(transport, p, replication=2, timeout_s=5.0)
+    layers, size = 8, 8 * 4096
+    keys, data = ids(12), blocks(12, size)
+    handle = await writer.begin_put(keys, [size] * len(keys), num_layers=layers)
+    out = [np.zeros(size, np.uint8) for _ in keys]
+    seen: list[int] = []
+
+    async def read() -> None:
+        async for layer in reader.stream(keys, out, num_layers=layers, wait_s=30):
+            seen.append(layer)
+
+    task = asyncio.create_task(read())
+    lb = size // layers
+    for layer in range(layers):
+        if layer == layers // 2:
+            await wait_until(lambda: len(seen) == layers // 2)
+            # the node the reader streams keys[0] from (its first-ranked holder)
+            first = rank(keys[0], await reader.nodes())[0]
+            nodes[first.instance_id].proc.kill()
+        chunk = [d[layer * lb : (layer + 1) * lb] for d in data]
+        await handle.write(keys, chunk, (layer, layer + 1))
+    await handle.commit()
+    await asyncio.wait_for(task, 30)
+    assert seen == list(range(layers))
+    assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
