@@ -29,6 +29,8 @@ import importlib
 import time
 from typing import Any
 
+from shared.errors import ConfigError
+
 
 class Completions:
     """Futures of posted UCX requests, resolved after each worker progress."""
@@ -60,8 +62,33 @@ class Completions:
         self._pending = still
 
 
+REQUIRED = {
+    "ucxx._lib_async.continuous_ucx_progress.BlockingMode": (
+        "_arm_worker",
+        "_fd_reader_callback",
+        "_progress_with_timeout",
+    ),
+    "ucxx._lib_async.endpoint.Endpoint": ("abort", "closed"),
+    "ucxx._lib.libucxx.UCXRequest": ("completed", "check_error"),
+}
+
+
+def check_ucxx_internals() -> None:
+    """Fail loudly, at start-up, if a UCXX release moved what this module relies on."""
+    for path, attrs in REQUIRED.items():
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+        missing = [a for a in attrs if cls is None or not hasattr(cls, a)]
+        if missing:
+            raise ConfigError(
+                f"this UCXX release lacks {path}.{missing[0]}, which Baton's UCX progress "
+                "driver needs; set UCXPY_PROGRESS_MODE=thread to use UCXX's own waiting"
+            )
+
+
 def install(completions: Completions) -> None:
     """Make UCXX's per-loop progress object our event-driven one (idempotent)."""
+    check_ucxx_internals()
     ctx_mod = importlib.import_module("ucxx._lib_async.application_context")
     base = importlib.import_module("ucxx._lib_async.continuous_ucx_progress").BlockingMode
     if getattr(ctx_mod.BlockingMode, "baton_completions", None) is completions:
