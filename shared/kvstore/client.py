@@ -19,6 +19,7 @@ the awaited call runs; they are safe to reuse when it returns.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -39,6 +40,7 @@ from shared.kvstore.protocol import BlockSpec
 from shared.transport.base import Buffer, Transport, as_bytes_view
 
 STORE_ROLE = "kvstore"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -361,29 +363,38 @@ class KVStoreClient:
         if not ids:
             return 0
         live = {n.instance_id for n in await self.nodes()}
-        return await self.index.longest_prefix(ids, live)
+        try:
+            return await self.index.longest_prefix(ids, live)
+        except (RedisError, OSError) as exc:  # Redis down: degraded, no cache hits
+            log.warning("block index unreachable, treating as a miss: %s", exc)
+            return 0
 
     async def lease(self, ids: Sequence[str], ttl_s: float = 30.0) -> LeaseSet:
-        """Pin ``ids`` against eviction on each block's first holder that has it."""
+        """Pin ``ids`` against eviction on every replica that holds them.
+
+        The first-ranked holders must have the blocks (else KVMissError); other
+        replicas are pinned where they hold them, so a read that falls back
+        after a node loss still finds its blocks.
+        """
         ranked = await self._ranked(ids)
         leases = LeaseSet([])
         try:
-            for group in self._group_first(ids, ranked).values():
-                node = ranked[group[0]][0]
-                leases.held.append((node, await node.lease(group, ttl_s)))
+            for r in range(self.replication):
+                groups: dict[str, list[str]] = defaultdict(list)
+                for block_id in ids:
+                    if r < len(ranked[block_id]):
+                        groups[ranked[block_id][r].instance_id].append(block_id)
+                for group in groups.values():
+                    node = ranked[group[0]][r]
+                    try:
+                        leases.held.append((node, await node.lease(group, ttl_s)))
+                    except (KVMissError, TransportError):
+                        if r == 0:
+                            raise
         except BaseException:
             await leases.release()
             raise
         return leases
-
-    @staticmethod
-    def _group_first(
-        ids: Sequence[str], ranked: dict[str, list[NodeClient]]
-    ) -> dict[str, list[str]]:
-        groups: dict[str, list[str]] = defaultdict(list)
-        for block_id in ids:
-            groups[ranked[block_id][0].instance_id].append(block_id)
-        return groups
 
     async def close(self) -> None:
         for node in self._nodes.values():
