@@ -44,6 +44,19 @@ def ids(n: int, tag: int = 0) -> list[str]:
     return [f"{base:016x}{tag:04x}{i:012x}" for i in range(n)]
 
 
+def start_stream(
+    client: KVStoreClient, keys: list[str], out: list[np.ndarray], layers: int, wait_s: float
+) -> tuple[asyncio.Task[None], list[int]]:
+    """A background layer-stream reader and the layer indices it has seen so far."""
+    seen: list[int] = []
+
+    async def read() -> None:
+        async for layer in client.stream(keys, out, num_layers=layers, wait_s=wait_s):
+            seen.append(layer)
+
+    return asyncio.create_task(read()), seen
+
+
 def misbehave(mode: str, port: int, transport: str) -> subprocess.CompletedProcess[str]:
     module = "tests.services.kvstore.misbehaving_client"
     args = [sys.executable, "-m", module, mode, "127.0.0.1", str(port), transport]
@@ -94,13 +107,7 @@ async def test_layerwise_write_streams_to_a_waiting_reader(
     data, keys = blocks(6, size), ids(6)
     handle = await writer.begin_put(keys, [size] * 6, num_layers=layers)
     out = [np.zeros(size, np.uint8) for _ in keys]
-    seen: list[int] = []
-
-    async def read() -> None:
-        async for layer in reader.stream(keys, out, num_layers=layers, wait_s=20):
-            seen.append(layer)
-
-    task = asyncio.create_task(read())
+    task, seen = start_stream(reader, keys, out, layers, wait_s=20)
     lb = size // layers
     for layer in range(layers):
         await handle.write(
@@ -403,13 +410,7 @@ async def test_replicated_put_and_stream_survive_a_node_kill_mid_transfer(
     keys, data = ids(12), blocks(12, size)
     handle = await writer.begin_put(keys, [size] * len(keys), num_layers=layers)
     out = [np.zeros(size, np.uint8) for _ in keys]
-    seen: list[int] = []
-
-    async def read() -> None:
-        async for layer in reader.stream(keys, out, num_layers=layers, wait_s=30):
-            seen.append(layer)
-
-    task = asyncio.create_task(read())
+    task, seen = start_stream(reader, keys, out, layers, wait_s=30)
     lb = size // layers
     for layer in range(layers):
         if layer == layers // 2:
