@@ -231,7 +231,7 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(
     # Raw garbage on the data port: the server drops that connection and stays up.
     with socket.create_connection(("127.0.0.1", int(node.member.data_port or 0))) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 64)
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)  # let the node read the garbage before we ping
     stats = await node.ping()
     assert stats["blocks_reserved"] == 0 and stats["bytes_used"] == 0
 
