@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,7 +39,31 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port free right now, chosen *below* the kernel's ephemeral range.
+
+    A port from ``bind(0)`` comes from the ephemeral range, which outgoing
+    connections (Redis clients, UCX wire-up) draw from too, so between picking
+    it and the service binding it another socket could take it. Ports below
+    that range are only taken by explicit binds.
+    """
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -59,13 +84,31 @@ class RedisProcess:
     """A real redis-server on ``port`` without persistence; ``stop`` kills it."""
 
     def __init__(self, port: int | None = None):
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
-        """Start (or restart, on the same port, with empty state)."""
+        """Start (or restart, on the same port, with empty state).
+
+        On the first start, a port picked here that another socket took
+        meanwhile is replaced by a fresh one (twice at most); an explicitly
+        given port, or a restart, keeps its port.
+        """
+        movable = not self._fixed_port and self.proc is None
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except ConfigError as exc:
+                if not movable or "in use" not in str(exc) or attempt == 2:
+                    raise
+                self.port = free_port()
+                self.url = f"redis://127.0.0.1:{self.port}/0"
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> RedisProcess:
         self._dir = tempfile.mkdtemp(prefix="baton-redis-")
         args = [
             redis_server_binary(),

@@ -11,6 +11,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from shared.cluster.keys import Keys
+from shared.errors import ConfigError
 from shared.kvstore.client import KVStoreClient
 from shared.procs import RedisProcess, ServiceProcess, free_port
 from shared.transport import Transport, make_transport
@@ -35,29 +36,36 @@ def start_store(redis_server: RedisProcess, tmp_path: Path) -> Iterator[StoreFac
     def start(
         transport: str, prefix: str, *, redis_url: str | None = None, **settings: str
     ) -> StoreNode:
-        http = free_port()
-        instance_id = f"kvstore-{uuid.uuid4().hex[:6]}"
-        env = {
-            "BATON_REDIS_URL": redis_url or redis_server.url,
-            "BATON_REDIS_PREFIX": prefix,
-            "BATON_TRANSPORT": transport,
-            "BATON_HEARTBEAT_S": "0.2",
-            "BATON_MEMBER_TTL_S": "1.0",
-            "BATON_KVSTORE_HTTP_PORT": str(http),
-            "BATON_KVSTORE_DATA_PORT": str(free_port()),
-            "BATON_KVSTORE_CAPACITY_GB": "0.0625",
-            "BATON_KVSTORE_SLAB_MB": "4",
-            "BATON_KVSTORE_SWEEP_S": "0.1",
-            "BATON_KVSTORE_INSTANCE_ID": instance_id,
-            "BATON_LOG_LEVEL": "warning",
-        }
-        env.update({f"BATON_KVSTORE_{k.upper()}": v for k, v in settings.items()})
-        log = tmp_path / f"{instance_id}.log"
-        proc = ServiceProcess("services.kvstore", env, f"http://127.0.0.1:{http}/ready", log)
-        node = StoreNode(proc.start(), http, instance_id)
-        started.append(node)
-        proc.wait_ready()
-        return node
+        for attempt in range(3):
+            http = free_port()
+            instance_id = f"kvstore-{uuid.uuid4().hex[:6]}"
+            env = {
+                "BATON_REDIS_URL": redis_url or redis_server.url,
+                "BATON_REDIS_PREFIX": prefix,
+                "BATON_TRANSPORT": transport,
+                "BATON_HEARTBEAT_S": "0.2",
+                "BATON_MEMBER_TTL_S": "1.0",
+                "BATON_KVSTORE_HTTP_PORT": str(http),
+                "BATON_KVSTORE_DATA_PORT": str(free_port()),
+                "BATON_KVSTORE_CAPACITY_GB": "0.0625",
+                "BATON_KVSTORE_SLAB_MB": "4",
+                "BATON_KVSTORE_SWEEP_S": "0.1",
+                "BATON_KVSTORE_INSTANCE_ID": instance_id,
+                "BATON_LOG_LEVEL": "warning",
+            }
+            env.update({f"BATON_KVSTORE_{k.upper()}": v for k, v in settings.items()})
+            log = tmp_path / f"{instance_id}.log"
+            proc = ServiceProcess("services.kvstore", env, f"http://127.0.0.1:{http}/ready", log)
+            node = StoreNode(proc.start(), http, instance_id)
+            started.append(node)
+            try:
+                proc.wait_ready()
+            except ConfigError as exc:  # a port taken between picking and binding
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                continue
+            return node
+        raise AssertionError("unreachable")
 
     yield start
     for node in started:
