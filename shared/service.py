@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from shared.errors import BatonError
+from shared.logs import configure_logging
 
 
 def _settings_error(exc: ValidationError) -> str:
@@ -23,9 +23,7 @@ def _settings_error(exc: ValidationError) -> str:
 def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> None:
     """Build the app from the environment and serve it until SIGINT/SIGTERM."""
     level = os.environ.get("BATON_LOG_LEVEL", "info").upper()
-    logging.basicConfig(
-        level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(name, level=level, fmt=os.environ.get("BATON_LOG_FORMAT", "json"))
     try:
         app, host, port = build()
     except ValidationError as exc:
@@ -34,4 +32,6 @@ def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> Non
     except BatonError as exc:
         print(f"baton {name}: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    uvicorn.run(app, host=host, port=port, log_level=level.lower(), access_log=False)
+    uvicorn.run(
+        app, host=host, port=port, log_level=level.lower(), access_log=False, log_config=None
+    )

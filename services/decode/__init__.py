@@ -1,1 +1,1 @@
-"""Decode service: the token phase (issue: disaggregated serving end to end)."""
+"""The decode service: pulls prompt KV from the store and decodes with continuous batching."""

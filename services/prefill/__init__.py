@@ -1,1 +1,1 @@
-"""Prefill service: the prompt phase (issue: disaggregated serving end to end)."""
+"""The prefill service: computes prompts and streams their KV to the store layer by layer."""

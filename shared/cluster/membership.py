@@ -32,6 +32,8 @@ class Member(BaseModel):
     data_port: int | None = None
     transport: str | None = None
     capacity_bytes: int | None = None
+    model: str | None = None  # served model name (prefill/decode)
+    kv_namespace: str | None = None  # model identity + KV layout: workers pair only when equal
     load: dict[str, float] = {}
     started_at: float = 0.0
 

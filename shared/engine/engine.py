@@ -17,13 +17,20 @@ import torch
 
 from shared.config import EngineConfig, default_cache_dir
 from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.model_runner import ModelRunner
-from shared.engine.request import FinishReason, Request, RequestId, TokenLogprobs
+from shared.engine.model_runner import LayerHook, ModelRunner
+from shared.engine.request import (
+    FinishReason,
+    Request,
+    RequestId,
+    RequestStatus,
+    SampledToken,
+    TokenLogprobs,
+)
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockHasher
-from shared.kv.block_pool import BlockPool
+from shared.kv.block_pool import BlockId, BlockPool
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
 from shared.model.loader import LoadedModel, load_model
@@ -103,6 +110,7 @@ class Engine:
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.timings: dict[RequestId, RequestTimings] = {}
         self._next_id = 0
+        self.last_step_tokens = 0  # tokens the last step computed (0: nothing was runnable)
 
     @classmethod
     def from_config(
@@ -127,11 +135,7 @@ class Engine:
         cache_salt: str | None = None,
         detokenize: bool = True,
     ) -> RequestId:
-        vocab = self.loaded.arch.vocab_size
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        self.validate(prompt_token_ids, params.max_tokens)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -151,6 +155,83 @@ class Engine:
         self.timings[rid] = RequestTimings(arrival=now)
         return rid
 
+    def validate(self, prompt_token_ids: Sequence[int], max_tokens: int) -> None:
+        """Raise InvalidRequestError (or RequestTooLongError) for a request this engine
+        cannot run; reads only immutable configuration, so any thread may call it."""
+        vocab = self.loaded.arch.vocab_size
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
+                f"{total} exceeds the context length {self.max_model_len}"
+            )
+        bs = self.layout.block_size
+        if -(-total // bs) > self.block_pool.num_blocks:
+            raise RequestTooLongError(
+                f"{total} tokens need more KV blocks than this instance has "
+                f"({self.block_pool.num_blocks} x {bs} tokens)"
+            )
+
+    def add_prefilled(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        first: SampledToken,
+        block_ids: Sequence[BlockId],
+        *,
+        request_id: str,
+        seed: int,
+        cache_salt: str | None = None,
+    ) -> RequestId:
+        """Continue a request prefilled elsewhere: its prompt KV is already in ``block_ids``
+        (taken with :meth:`reserve_blocks`; the request owns them from now on) and
+        ``first`` is the token prefill sampled. Outputs start with the second token."""
+        self.validate([*prompt_token_ids, first.token_id], params.max_tokens - 1)
+        rid = RequestId(request_id)
+        now = time.perf_counter()
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=seed,
+            arrival=now,
+            cache_salt=cache_salt,
+            status=RequestStatus.WAITING,
+            output_token_ids=[first.token_id],
+            output_logprobs=[first.logprobs] if first.logprobs is not None else [],
+            block_ids=list(block_ids),
+        )
+        try:
+            self.scheduler.add_prefilled(req)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        if params.stop:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+        self.timings[rid] = RequestTimings(arrival=now)
+        return rid
+
+    # -- KV blocks outside the scheduler (transfers) ---------------------------------
+    def reserve_blocks(self, n: int) -> list[BlockId] | None:
+        """Take ``n`` blocks for KV arriving from elsewhere, or None when that would not
+        leave one block of growth per running request (admission by free KV memory)."""
+        headroom = len(self.scheduler.running) + len(self.scheduler.prefilled)
+        if n + headroom > self.block_pool.num_free:
+            return None
+        return self.block_pool.allocate(n)
+
+    def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """Give back blocks from :meth:`reserve_blocks` (or drop :meth:`pin_blocks` refs)."""
+        self.block_pool.release(reversed(block_ids))
+
+    def pin_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """Keep blocks from being reused (e.g. while a transfer reads them), even if
+        their request finishes or is preempted meanwhile; undo with :meth:`free_blocks`."""
+        self.block_pool.acquire(block_ids)
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its KV; False when the id is unknown or already done."""
         self._detok.pop(RequestId(request_id), None)
@@ -161,9 +242,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # -- the loop ----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if not scheduled.is_empty else {}
+        sampled = self.runner.execute(scheduled, on_layer) if not scheduled.is_empty else {}
+        self.last_step_tokens = scheduled.num_batched_tokens
         return self._outputs(self.scheduler.update(scheduled, sampled))
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:

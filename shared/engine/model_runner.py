@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +13,9 @@ from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.kv.kv_cache import KVCache
 from shared.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, SlotRun
 from shared.model.llama import LlamaModel
+
+LayerHook = Callable[[int, SchedulerOutput], None]
+"""``hook(layer, step)``, on the engine thread, once ``layer`` of ``step`` is in the pool."""
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,13 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.device = model.device
 
-    def execute(self, step: SchedulerOutput) -> dict[RequestId, SampledToken]:
+    def execute(
+        self, step: SchedulerOutput, on_layer: LayerHook | None = None
+    ) -> dict[RequestId, SampledToken]:
         inp = build_input(step, self.block_size, self.device)
+        hook = None if on_layer is None else (lambda layer: on_layer(layer, step))
         logits = self.model.forward(
-            inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.logits_rows
+            inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.logits_rows, hook
         )
         if not inp.sampled:
             return {}

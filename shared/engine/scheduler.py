@@ -75,11 +75,31 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
+        self.prefilled: deque[Request] = deque()  # KV already in their blocks; join to decode
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
 
     # -- admission -------------------------------------------------------
     def add(self, req: Request) -> None:
+        self._check_fits(req)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_prefilled(self, req: Request) -> None:
+        """Join a request whose prompt KV is already in ``req.block_ids`` (pulled from the
+        KV store) and whose first token was sampled elsewhere; it decodes from the next step."""
+        self._check_fits(req)
+        if not req.output_token_ids:
+            raise ValueError("a prefilled request carries its first token")
+        if len(req.block_ids) < cdiv(req.num_prompt_tokens, self.block_size):
+            raise ValueError("a prefilled request must own blocks for its whole prompt")
+        if self._stop_reason(req, req.output_token_ids[-1]) is not None:
+            raise ValueError("the first token already ends this request")
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.requests[req.request_id] = req
+        self.prefilled.append(req)
+
+    def _check_fits(self, req: Request) -> None:
         total = req.num_prompt_tokens + req.params.max_tokens
         if req.num_prompt_tokens == 0:
             raise RequestTooLongError("the prompt is empty")
@@ -96,17 +116,19 @@ class Scheduler:
             )
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id} is already in use")
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     # -- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestId] = []
+        while self.prefilled and len(self.running) < self.config.max_num_seqs:
+            joining = self.prefilled.popleft()
+            joining.status = RequestStatus.RUNNING
+            self.running.append(joining)
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
@@ -226,6 +248,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.prefilled:
+            self.prefilled.remove(req)
         self._free_blocks(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -7,6 +7,7 @@ and the KV pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,14 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv: KVCache,
         logits_rows: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows."""
+        """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows.
+
+        ``on_layer(i)`` is called once layer ``i``'s K/V of this batch are in
+        the pool (final: nothing later in this forward writes them again), so
+        a caller can ship that layer while the next ones compute.
+        """
         a = self.arch
         q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n = input_ids.shape[0]
@@ -111,6 +118,8 @@ class LlamaModel:
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
             write_kv(k_pool, v_pool, k, v, meta)
+            if on_layer is not None:
+                on_layer(idx)
             attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.workspace)
             h = h + F.linear(attn.reshape(n, q_dim), lw.o_proj)
             x = rms_norm(h, lw.post_norm, a.rms_norm_eps)

@@ -1,0 +1,15 @@
+"""Settings of a decode instance (``BATON_DECODE_*``; the engine's come from ``BATON_*``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.serving.worker import WorkerSettings
+
+
+class DecodeSettings(WorkerSettings):
+    model_config = SettingsConfigDict(env_prefix="BATON_DECODE_", extra="ignore")
+
+    port: int = Field(default=8200, ge=0, le=65535)
+    first_token_timeout_s: float = Field(default=300.0, gt=0)

@@ -1,0 +1,15 @@
+"""Settings of a prefill instance (``BATON_PREFILL_*``; the engine's come from ``BATON_*``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.serving.worker import WorkerSettings
+
+
+class PrefillSettings(WorkerSettings):
+    model_config = SettingsConfigDict(env_prefix="BATON_PREFILL_", extra="ignore")
+
+    port: int = Field(default=8100, ge=0, le=65535)
+    put_ttl_s: float = Field(default=300.0, gt=0)  # store reservation: covers queueing here

@@ -1,0 +1,172 @@
+"""Runs an :class:`Engine` on its own thread, driven from an asyncio service.
+
+Ownership: the engine (scheduler, block pool, KV tensors) is touched only on
+the engine thread. The asyncio side reaches it through :meth:`EngineLoop.call`
+(run a function on the engine thread between two steps, await its result) and
+:meth:`EngineLoop.post` (the same, fire and forget); each request's outputs
+arrive on the asyncio queue :meth:`EngineLoop.subscribe` returned. The thread
+sleeps while nothing is runnable, so an idle service costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from shared.engine.engine import Engine, RequestOutput
+from shared.engine.model_runner import LayerHook
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+ENGINE_DIED = None
+"""Put on every subscribed queue when the engine thread dies (so no request waits forever)."""
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    last_step_s: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, *, on_layer: LayerHook | None = None):
+        self.engine = engine
+        self.on_layer = on_layer
+        self.stats = LoopStats()
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | None]] = {}
+        self._watchers: list[Callable[[], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join, 30.0)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    # -- talking to the engine thread ------------------------------------------------
+    def post(self, fn: Callable[[Engine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread soon; errors are logged."""
+
+        def run() -> None:
+            try:
+                fn(self.engine)
+            except Exception:
+                log.exception("engine command failed")
+
+        self._commands.put(run)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        loop = self._require_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)  # type: ignore[arg-type]
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        if not self.alive:
+            raise RuntimeError("the engine loop is not running")
+        self._commands.put(run)
+        return await fut
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput | None]:
+        """Outputs of ``request_id`` in order; ``None`` means the engine died."""
+        q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread after every step and command (e.g. to retry
+        admissions waiting for free blocks)."""
+        self._watchers.append(fn)
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("EngineLoop.start() was not called")
+        return self._loop
+
+    # -- the engine thread -----------------------------------------------------------
+    def _run(self) -> None:
+        stalled = False  # the last step found nothing runnable: wait for a command
+        try:
+            while True:
+                runnable = self.engine.has_unfinished() and not stalled
+                try:
+                    cmd = self._commands.get_nowait() if runnable else self._commands.get()
+                except queue.Empty:
+                    stalled = not self._step_once()
+                    continue
+                if cmd is None:
+                    return
+                cmd()  # commands drain one per turn, ahead of the next step
+                self._notify()
+                stalled = False
+        except BaseException as exc:
+            self.failure = exc
+            log.exception("engine loop died")
+            self._require_loop().call_soon_threadsafe(self._fail_all)
+
+    def _notify(self) -> None:
+        for fn in self._watchers:
+            fn()
+
+    def _fail_all(self) -> None:
+        for q in self._queues.values():
+            q.put_nowait(ENGINE_DIED)
+
+    def _step_once(self) -> bool:
+        """One engine step; False when nothing was runnable."""
+        t0 = time.perf_counter()
+        outputs = self.engine.step(self.on_layer)
+        dt = time.perf_counter() - t0
+        if self.engine.last_step_tokens:
+            self.stats.steps += 1
+            self.stats.busy_s += dt
+            self.stats.last_step_s = dt
+        self._notify()
+        if outputs:
+            self._require_loop().call_soon_threadsafe(self._deliver, outputs)
+        return self.engine.last_step_tokens != 0
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)

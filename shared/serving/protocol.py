@@ -1,0 +1,144 @@
+"""Wire types between the gateway and the prefill/decode workers (defined once, here).
+
+Both workers answer with NDJSON streams: one event object per line, the
+``event`` field names its type.
+
+Prefill (``POST /v1/prefill``): ``accepted`` (KV reserved in the store, with
+the transfer ids the decode side pulls) -> ``first_token`` -> ``committed``
+(every layer of every block is in the store). Decode (``POST /v1/decode``):
+``accepted`` (KV pool space reserved, pull started) -> ``token``... (the last
+one carries ``finish_reason``); the first token reaches decode separately
+(``POST /v1/decode/{request_id}/first_token``), as soon as prefill sampled it.
+Any stream may end with ``error``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from shared.engine.request import SampledToken, TokenLogprobs
+from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingSpec(_Wire):
+    """:class:`SamplingParams` on the wire; ``seed`` is always set (the gateway draws one)."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0.0)
+    top_p: float = Field(gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
+    seed: int
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def to_params(self, *, max_tokens: int | None = None) -> SamplingParams:
+        """Stop strings stay at the gateway, which owns detokenization."""
+        return SamplingParams(
+            max_tokens=max_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.logprobs,
+        )
+
+
+class WireToken(_Wire):
+    """One sampled token, with its logprob and top alternatives when asked for."""
+
+    id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+    @classmethod
+    def of(cls, token_id: int, lp: TokenLogprobs | None) -> WireToken:
+        if lp is None:
+            return cls(id=token_id)
+        return cls(id=token_id, logprob=lp.logprob, top=[(t, v) for t, v in lp.top])
+
+    def sampled(self) -> SampledToken:
+        lp = None
+        if self.logprob is not None:
+            lp = TokenLogprobs(self.id, self.logprob, tuple((t, v) for t, v in self.top or ()))
+        return SampledToken(self.id, lp)
+
+
+class PrefillRequest(_Wire):
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingSpec
+    cache_salt: str | None = None
+
+
+class DecodeRequest(_Wire):
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingSpec
+    cache_salt: str | None = None
+    kv_ids: list[str] = Field(min_length=1)  # one store id per prompt block, in order
+    wait_s: float = Field(default=120.0, gt=0)  # how long the pull waits for prefill
+
+
+class FirstToken(_Wire):
+    token: WireToken
+
+
+class Accepted(_Wire):
+    event: Literal["accepted"] = "accepted"
+    instance_id: str
+    kv_ids: list[str] = []
+    num_cached_tokens: int = 0
+
+
+class FirstTokenEvent(_Wire):
+    event: Literal["first_token"] = "first_token"
+    token: WireToken
+    finish_reason: Literal["stop"] | None = None  # EOS / stop token: no decode needed
+    queue_s: float  # arrival -> start of compute
+    compute_s: float  # start of compute -> first token
+
+
+class Committed(_Wire):
+    event: Literal["committed"] = "committed"
+    exposed_transfer_s: float  # first token -> last layer committed (not hidden by compute)
+
+
+class TokenEvent(_Wire):
+    event: Literal["token"] = "token"
+    token: WireToken
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ErrorEvent(_Wire):
+    event: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+Event = Annotated[
+    Accepted | FirstTokenEvent | Committed | TokenEvent | ErrorEvent, Field(discriminator="event")
+]
+EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def encode_event(event: BaseModel) -> bytes:
+    return event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+def decode_event(line: bytes | str) -> Event:
+    return EVENTS.validate_json(line)

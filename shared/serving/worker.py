@@ -1,0 +1,264 @@
+"""What a prefill and a decode instance share: the engine on its thread, Redis
+membership with load, the KV store client, settings, and the HTTP basics.
+
+Long-lived parts are created once in :meth:`Worker.start` (called from the
+FastAPI lifespan) and torn down in reverse order by :meth:`Worker.stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings
+
+from shared.cluster.keys import Keys
+from shared.cluster.membership import Heartbeat, Member
+from shared.config import BatonSettings
+from shared.engine.engine import Engine
+from shared.engine.engine_loop import EngineLoop
+from shared.engine.model_runner import LayerHook
+from shared.kvstore.client import KVStoreClient
+from shared.logs import request_id_var
+from shared.serving.errors import classify, error_response
+from shared.serving.protocol import REQUEST_ID_HEADER, ErrorEvent, encode_event
+from shared.transport import make_transport
+
+log = logging.getLogger(__name__)
+
+
+def default_advertise_host() -> str:
+    """This host's address as others reach it (a container's own IP under compose)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class WorkerSettings(BaseSettings):
+    """Per-role settings; subclasses set the env prefix (``BATON_PREFILL_``, ...)."""
+
+    host: str = "0.0.0.0"
+    advertise_host: str = Field(default_factory=default_advertise_host)
+    port: int = Field(default=0, ge=0, le=65535)
+    instance_id: str = ""
+    kv_wait_s: float = Field(default=120.0, gt=0)
+
+    def resolved_id(self, role: str) -> str:
+        return self.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+
+
+class WorkerMetrics:
+    def __init__(self, role: str):
+        self.registry = CollectorRegistry()
+        self.step_s = Histogram(
+            "baton_engine_step_seconds",
+            "Duration of one engine step",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+        )
+        self.requests = Gauge(
+            "baton_requests_in_flight", f"Requests in this {role} instance", registry=self.registry
+        )
+        self.kv_usage = Gauge(
+            "baton_kv_pool_usage", "Share of KV pool blocks in use", registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Worker:
+    """One prefill or decode instance. Subclasses add the role's endpoints and logic."""
+
+    role = "worker"
+
+    def __init__(self, settings: WorkerSettings, baton: BatonSettings):
+        self.settings = settings
+        self.baton = baton
+        self.cluster = baton.cluster_config()
+        self.instance_id = settings.resolved_id(self.role)
+        self.metrics = WorkerMetrics(self.role)
+        self.redis = aioredis.from_url(
+            self.cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        self.keys = Keys(self.cluster.redis_prefix)
+        self.kv = KVStoreClient(
+            make_transport(self.cluster.transport),
+            self.redis,
+            self.keys,
+            replication=self.cluster.replication,
+            client_id=self.instance_id,
+        )
+        self._loop: EngineLoop | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.in_flight: dict[str, Any] = {}
+
+    @property
+    def loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise RuntimeError("the worker has not started")
+        return self._loop
+
+    @property
+    def engine(self) -> Engine:
+        return self.loop.engine
+
+    def layer_hook(self) -> LayerHook | None:
+        return None
+
+    def load(self) -> dict[str, float]:
+        """Published with every heartbeat; the gateway routes on it."""
+        return {}
+
+    async def start(self, port: int) -> None:
+        engine = await asyncio.to_thread(
+            Engine.from_config,
+            self.baton.engine_config(),
+            cache_dir=self.baton.cache_dir,
+            progress=False,
+        )
+        self._loop = EngineLoop(engine, on_layer=self.layer_hook())
+        self._loop.start()
+        member = Member(
+            instance_id=self.instance_id,
+            role=self.role,
+            host=self.settings.advertise_host,
+            http_port=port,
+            model=engine.loaded.name,
+            kv_namespace=engine.hasher.namespace,
+            capacity_bytes=engine.kv_cache.num_blocks * engine.layout.block_bytes,
+            started_at=time.time(),
+        )
+        self.heartbeat = Heartbeat(
+            self.redis,
+            self.keys,
+            member,
+            interval_s=self.cluster.heartbeat_s,
+            ttl_s=self.cluster.member_ttl_s,
+            load=self._load,
+        )
+        await self.heartbeat.beat()
+        self.heartbeat.start()
+        log.info(
+            "%s %s ready: %s, %d KV blocks, http %s:%d",
+            self.role,
+            self.instance_id,
+            engine.loaded.name,
+            engine.kv_cache.num_blocks,
+            self.settings.advertise_host,
+            port,
+        )
+
+    def _load(self) -> dict[str, float]:
+        engine = self.engine
+        self.metrics.kv_usage.set(engine.block_pool.usage())
+        self.metrics.requests.set(len(self.in_flight))
+        return {
+            "in_flight": float(len(self.in_flight)),
+            "kv_usage": engine.block_pool.usage(),
+            "free_blocks": float(engine.block_pool.num_free),
+            **self.load(),
+        }
+
+    async def stop(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(deregister=True)
+        if self._loop is not None:
+            await self._loop.stop()
+        await self.kv.close()
+        await self.kv.transport.shutdown()
+        await self.redis.aclose()
+
+    def stats(self) -> dict[str, float]:
+        s = self.loop.stats
+        return {
+            **self._load(),
+            "steps": float(s.steps),
+            "busy_s": s.busy_s,
+            "kv_blocks_total": float(self.engine.kv_cache.num_blocks),
+            "waiting": float(len(self.engine.scheduler.waiting)),
+            "running": float(len(self.engine.scheduler.running)),
+        }
+
+
+def bind_request_id(request: Request) -> str | None:
+    """Log lines of this request's task carry the gateway's request id."""
+    rid = request.headers.get(REQUEST_ID_HEADER)
+    request_id_var.set(rid)
+    return rid
+
+
+async def stream_events(events: AsyncGenerator[BaseModel, None]) -> Response:
+    """An NDJSON response of ``events``. An error before the first event is a plain HTTP
+    error (status + body); later errors end the stream with an ``error`` event. Closing
+    the response early (the gateway went away) closes ``events``, whose cleanup runs."""
+    try:
+        first = await anext(events)
+    except Exception as exc:
+        return error_response(exc)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield encode_event(first)
+            async for event in events:
+                yield encode_event(event)
+        except Exception as exc:
+            err = classify(exc)
+            yield encode_event(ErrorEvent(code=err.code or "error", message=str(err)))
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+W = TypeVar("W", bound=Worker)
+
+
+def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None]) -> FastAPI:
+    """The FastAPI app of a worker: lifespan, /health /ready /stats /metrics, then ``routes``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await worker.start(app.state.port)
+        try:
+            yield
+        finally:
+            await worker.stop()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    app.state.port = 0
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        up = worker._loop is not None and worker.loop.alive
+        redis_ok = worker.heartbeat is not None and worker.heartbeat.healthy
+        status = "ready" if up and redis_ok else ("degraded" if up else "starting")
+        body = {"status": status, "redis": redis_ok, "instance_id": worker.instance_id}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, float]:
+        return worker.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    routes(app, worker)
+    return app
