@@ -50,6 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with ids and timings"
     )
+    up = sub.add_parser(
+        "up", help="start the local cluster (redis, kvstore, prefill, decode, gateway)"
+    )
+    _settings_args(up)
+    up.add_argument("--prefill", type=int, default=1, help="prefill replicas")
+    up.add_argument("--decode", type=int, default=1, help="decode replicas")
+    up.add_argument("--kvstore", type=int, default=1, help="KV store nodes")
+    up.add_argument("--port", type=int, default=8000, help="gateway port")
+    up.add_argument("--prefill-port", type=int, default=8100, help="first prefill port")
+    up.add_argument("--decode-port", type=int, default=8200, help="first decode port")
+    up.add_argument("--kvstore-port", type=int, default=8300, help="first KV store HTTP port")
+    up.add_argument("--redis-port", type=int, default=None, help="default: a free port")
+    up.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
+    up.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    up.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per worker")
+    up.add_argument("--kvstore-gb", type=float, default=1.0, help="capacity per store node")
     return parser
 
 
@@ -151,11 +168,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.launcher import (
+        DEFAULT_PORTS,
+        KVSTORE_DATA_PORT,
+        LocalCluster,
+        Topology,
+        run_until_signalled,
+    )
+    from shared.model.registry import resolve
+
+    settings = _settings(args)
+    for name in ("prefill", "decode", "kvstore", "threads"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name} must be at least 1")
+    resolve(settings.model, settings.cache_dir, progress=True)  # pull once, before the workers
+    first = {
+        "prefill": args.prefill_port,
+        "decode": args.decode_port,
+        "kvstore": args.kvstore_port,
+        "kvstore-data": args.kvstore_port + (KVSTORE_DATA_PORT - DEFAULT_PORTS["kvstore"]),
+    }
+
+    def ports(role: str, index: int) -> int:
+        step = 10 if role.startswith("kvstore") else 1
+        return int(first[role]) + step * index
+
+    def topology(redis_url: str) -> Topology:
+        return Topology(
+            redis_url=redis_url,
+            prefill=args.prefill,
+            decode=args.decode,
+            kvstore=args.kvstore,
+            gateway_port=args.port,
+            ports=ports,
+            transport=args.transport,
+            model=args.model,
+            dtype=args.dtype,
+            threads=args.threads,
+            kv_cache_gb=args.kv_cache_gb,
+            kvstore_gb=args.kvstore_gb,
+            extra_env={"BATON_CACHE_DIR": str(settings.cache_dir)},
+        )
+
+    cluster = LocalCluster(topology, redis_port=args.redis_port, prefix_output=True)
+    return run_until_signalled(cluster)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "model":
             return cmd_model_pull(args)
+        if args.command == "up":
+            return cmd_up(args)
         return cmd_generate(args)
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)

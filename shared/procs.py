@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -122,6 +123,7 @@ class RedisProcess:
             args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, not redis
             preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
@@ -149,26 +151,57 @@ class RedisProcess:
 
 
 class ServiceProcess:
-    """``python -m <module>`` with ``env``; ready when ``GET ready_url`` answers 200."""
+    """``python -m <module>`` with ``env``; ready when ``GET ready_url`` answers 200.
 
-    def __init__(self, module: str, env: Mapping[str, str], ready_url: str, log_path: Path):
+    Output goes to ``log_path``, or, when ``prefix`` is given, to this process's
+    stdout with every line prefixed (the local launcher's view of the cluster).
+    """
+
+    def __init__(
+        self,
+        module: str,
+        env: Mapping[str, str],
+        ready_url: str,
+        log_path: Path | None = None,
+        *,
+        prefix: str | None = None,
+    ):
         self.module = module
         self.env = {**os.environ, **env}
         self.ready_url = ready_url
         self.log_path = log_path
+        self.prefix = prefix
         self.proc: subprocess.Popen[bytes] | None = None
+        self._tail: list[str] = []
+        self._pump: threading.Thread | None = None
 
     def start(self) -> ServiceProcess:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        args = [sys.executable, "-m", self.module]
+        common = {
+            "env": self.env,
+            "stderr": subprocess.STDOUT,
+            "start_new_session": True,
+            "preexec_fn": _die_with_parent,
+        }
+        if self.log_path is not None:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(args, stdout=log, **common)  # type: ignore[call-overload]
+            return self
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, **common)  # type: ignore[call-overload]
+        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        self._pump.start()
         return self
+
+    def _copy_output(self) -> None:
+        proc = self.proc
+        if proc is None or proc.stdout is None:
+            return
+        tag = f"{self.prefix} | " if self.prefix else ""
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._tail = [*self._tail[-49:], line]
+            sys.stdout.write(f"{tag}{line}\n")
+            sys.stdout.flush()
 
     def wait_ready(self, timeout_s: float = 60.0) -> ServiceProcess:
         deadline = time.monotonic() + timeout_s
@@ -182,6 +215,8 @@ class ServiceProcess:
         raise ConfigError(f"{self.module} not ready after {timeout_s}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None:
+            return "\n".join(self._tail[-lines:])
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:

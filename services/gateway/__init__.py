@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP gateway (issue: disaggregated serving end to end)."""
+"""The gateway: OpenAI-compatible API, SSE streaming, routing to prefill and decode."""

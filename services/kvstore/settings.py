@@ -8,13 +8,14 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.kvstore.store import StoreConfig
+from shared.cluster.membership import default_advertise_host
 
 
 class KVStoreSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATON_KVSTORE_", extra="ignore")
 
     host: str = "0.0.0.0"
-    advertise_host: str = "127.0.0.1"
+    advertise_host: str = Field(default_factory=default_advertise_host)
     http_port: int = Field(default=8300, ge=0, le=65535)
     data_port: int = Field(default=8301, ge=0, le=65535)
     capacity_gb: float = Field(default=2.0, gt=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,6 +21,15 @@ from redis.exceptions import RedisError
 from shared.cluster.keys import Keys
 
 log = logging.getLogger(__name__)
+
+
+def default_advertise_host() -> str:
+    """This host's address as others reach it: under compose, the container's own IP
+    (so scaled replicas each register their own address, no static host lists)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class Member(BaseModel):

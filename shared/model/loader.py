@@ -39,15 +39,19 @@ def load_model(
     return load_resolved(resolved, dtype=dtype, device=device)
 
 
+def _read_arch(folder: Path) -> LlamaArch:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{folder}/config.json is unreadable: {e}") from e
+    return LlamaArch.from_hf_config(cfg)
+
+
 def load_resolved(resolved: ResolvedModel, *, dtype: str, device: str) -> LoadedModel:
     if device == "cpu" and dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
     t0 = time.perf_counter()
-    try:
-        cfg = json.loads((resolved.folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{resolved.folder}/config.json is unreadable: {e}") from e
-    arch = LlamaArch.from_hf_config(cfg)
+    arch = _read_arch(resolved.folder)
     tokenizer = Tokenizer.from_folder(resolved.folder)
     state = load_state_dict(resolved.folder)
     model = LlamaModel(arch, state, torch_dtype(dtype), device)
@@ -59,4 +63,20 @@ def load_resolved(resolved: ResolvedModel, *, dtype: str, device: str) -> Loaded
         model=model,
         tokenizer=tokenizer,
         load_seconds=time.perf_counter() - t0,
+    )
+
+
+@dataclass(frozen=True)
+class TokenizerOnly:
+    """What the gateway needs of a model: its name, tokenizer and shape, no weights."""
+
+    name: str
+    arch: LlamaArch
+    tokenizer: Tokenizer
+
+
+def load_tokenizer(spec: str | None, *, cache_dir: Path, progress: bool = False) -> TokenizerOnly:
+    resolved = resolve(spec, cache_dir, progress=progress)
+    return TokenizerOnly(
+        resolved.name, _read_arch(resolved.folder), Tokenizer.from_folder(resolved.folder)
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -24,7 +23,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
 from shared.cluster.keys import Keys
-from shared.cluster.membership import Heartbeat, Member
+from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings
 from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop
@@ -36,14 +35,6 @@ from shared.serving.protocol import REQUEST_ID_HEADER, ErrorEvent, encode_event
 from shared.transport import make_transport
 
 log = logging.getLogger(__name__)
-
-
-def default_advertise_host() -> str:
-    """This host's address as others reach it (a container's own IP under compose)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class WorkerSettings(BaseSettings):

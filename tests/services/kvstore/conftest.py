@@ -50,6 +50,7 @@ def start_store(redis_server: RedisProcess, tmp_path: Path) -> Iterator[StoreFac
                 "BATON_KVSTORE_CAPACITY_GB": "0.0625",
                 "BATON_KVSTORE_SLAB_MB": "4",
                 "BATON_KVSTORE_SWEEP_S": "0.1",
+                "BATON_KVSTORE_ADVERTISE_HOST": "127.0.0.1",
                 "BATON_KVSTORE_INSTANCE_ID": instance_id,
                 "BATON_LOG_LEVEL": "warning",
             }

@@ -1,0 +1,235 @@
+"""One request through the cluster: prefill -> KV store -> decode, as a stream of tokens.
+
+1. Pick a prefill (JSQ) and a decode instance (least load) together.
+2. Prefill reserves the prompt's KV in the store and answers ``accepted`` with
+   the transfer ids; decode is told at once and starts pulling while prefill
+   computes (and streams layers into the store).
+3. Prefill's first token goes to the client and to decode; decode joins its
+   running batch and streams the rest.
+4. The prefill stream is read to its end (``committed``) in the background: a
+   prefill whose caller vanishes before the commit revokes the KV.
+
+Closing the generator (client gone, stop string, error) closes both worker
+streams, which cancels the request there and frees its KV. A prefill that
+cannot be reached is retried on another instance before anything was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from services.gateway.router import Pick, Router
+from shared.serving.errors import ServiceError
+from shared.serving.protocol import (
+    REQUEST_ID_HEADER,
+    Accepted,
+    DecodeRequest,
+    ErrorEvent,
+    Event,
+    FirstToken,
+    FirstTokenEvent,
+    PrefillRequest,
+    SamplingSpec,
+    TokenEvent,
+    WireToken,
+    decode_event,
+)
+
+log = logging.getLogger(__name__)
+LOST = "worker_lost"
+
+
+@dataclass(frozen=True)
+class Generated:
+    token: WireToken
+    finish_reason: str | None  # set on the last token
+
+
+class WorkerStream:
+    """An NDJSON event stream from a worker; ``aclose`` cancels the work there."""
+
+    def __init__(self, response: httpx.Response, who: str):
+        self.response = response
+        self.who = who
+        self._lines: AsyncIterator[str] = response.aiter_lines()
+
+    async def next(self) -> Event:
+        try:
+            line = await anext(self._lines)
+        except StopAsyncIteration:
+            raise ServiceError(
+                502, f"{self.who} ended its stream early", code="worker_lost"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise ServiceError(
+                502, f"{self.who} connection lost: {exc}", code="worker_lost"
+            ) from exc
+        event = decode_event(line)
+        if isinstance(event, ErrorEvent):
+            status = 400 if event.code in ("invalid_request", "context_length_exceeded") else 502
+            raise ServiceError(status, f"{self.who}: {event.message}", code=event.code)
+        return event
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+async def open_stream(
+    http: httpx.AsyncClient, url: str, body: str, request_id: str, who: str
+) -> WorkerStream:
+    """POST and wait for the response head; a refusal becomes a ServiceError with the
+    worker's status and message."""
+    request = http.build_request(
+        "POST",
+        url,
+        content=body,
+        headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id},
+    )
+    response = await http.send(request, stream=True)
+    if response.status_code != 200:
+        raw = await response.aread()
+        await response.aclose()
+        try:
+            err = json.loads(raw)["error"]
+            message, code = str(err["message"]), err.get("code")
+        except (ValueError, KeyError, TypeError):
+            message, code = raw.decode(errors="replace")[:500], None
+        status = response.status_code if response.status_code in (400, 413, 422, 429) else 503
+        raise ServiceError(400 if status == 422 else status, f"{who}: {message}", code=code)
+    return WorkerStream(response, who)
+
+
+class Handoff:
+    def __init__(self, http: httpx.AsyncClient, router: Router, *, prefill_attempts: int):
+        self.http = http
+        self.router = router
+        self.prefill_attempts = prefill_attempts
+
+    async def _open_prefill(
+        self, request_id: str, body: PrefillRequest
+    ) -> tuple[Pick, WorkerStream, Accepted]:
+        tried: set[str] = set()
+        payload = body.model_dump_json()
+        for attempt in range(self.prefill_attempts):
+            pick = self.router.pick_prefill(len(body.prompt_token_ids), tried)
+            try:
+                stream = await open_stream(
+                    self.http, f"{pick.url}/v1/prefill", payload, request_id, "prefill"
+                )
+                first = await stream.next()
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                pick.done()
+                self.router.bench(pick.member)
+                tried.add(pick.member.instance_id)
+                log.warning("prefill %s unreachable (%s)", pick.member.instance_id, exc)
+                if attempt + 1 == self.prefill_attempts:
+                    raise ServiceError(
+                        503, "no prefill instance could be reached", code="no_live_instance"
+                    ) from exc
+                continue
+            except BaseException:
+                pick.done()
+                raise
+            if not isinstance(first, Accepted):
+                await stream.aclose()
+                pick.done()
+                raise ServiceError(502, f"prefill sent {first.event} before accepted")
+            return pick, stream, first
+        raise AssertionError("unreachable")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        cache_salt: str | None,
+    ) -> AsyncGenerator[Generated, None]:
+        prefill_pick, prefill, accepted = await self._open_prefill(
+            request_id,
+            PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                cache_salt=cache_salt,
+            ),
+        )
+        decode_pick: Pick | None = None
+        decode: WorkerStream | None = None
+        drain: asyncio.Task[None] | None = None
+        try:
+            if sampling.max_tokens > 1:
+                decode_pick = self.router.pick_decode()
+                body = DecodeRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    cache_salt=cache_salt,
+                    kv_ids=accepted.kv_ids,
+                )
+                decode = await open_stream(
+                    self.http,
+                    f"{decode_pick.url}/v1/decode",
+                    body.model_dump_json(),
+                    request_id,
+                    "decode",
+                )
+                await decode.next()  # accepted: it reserves KV space and pulls from now on
+            first = await prefill.next()
+            if not isinstance(first, FirstTokenEvent):
+                raise ServiceError(502, f"prefill sent {first.event} instead of the first token")
+            prefill_pick.done()
+            drain = asyncio.create_task(self._drain(prefill), name=f"prefill-drain:{request_id}")
+            reason = first.finish_reason or ("length" if sampling.max_tokens == 1 else None)
+            if decode is None or decode_pick is None or reason is not None:
+                yield Generated(first.token, reason)
+                return
+            await self._send_first(decode_pick, request_id, first.token)
+            yield Generated(first.token, None)
+            while True:
+                event = await decode.next()
+                if not isinstance(event, TokenEvent):
+                    raise ServiceError(502, f"decode sent {event.event} instead of a token")
+                yield Generated(event.token, event.finish_reason)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            prefill_pick.done()
+            if decode_pick is not None:
+                decode_pick.done()
+            if decode is not None:
+                await decode.aclose()
+            if drain is None:
+                await prefill.aclose()
+            elif not drain.done():
+                # the client is gone or we stopped early: the prefill commit can still
+                # finish in the background (the KV stays useful as cache), bounded
+                asyncio.get_running_loop().call_later(60.0, drain.cancel)
+
+    async def _send_first(self, pick: Pick, request_id: str, token: WireToken) -> None:
+        url = f"{pick.url}/v1/decode/{request_id}/first_token"
+        body = FirstToken(token=token).model_dump_json()
+        try:
+            response = await self.http.post(
+                url,
+                content=body,
+                headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id},
+            )
+        except httpx.HTTPError as exc:
+            raise ServiceError(502, f"decode unreachable: {exc}", code="worker_lost") from exc
+        if response.status_code != 200:
+            raise ServiceError(502, f"decode refused the first token: {response.text[:300]}")
+
+    async def _drain(self, prefill: WorkerStream) -> None:
+        """Read prefill's stream to ``committed`` so it does not revoke the KV."""
+        try:
+            with contextlib.suppress(ServiceError):
+                await prefill.next()
+        finally:
+            await prefill.aclose()

@@ -1,0 +1,48 @@
+"""The gateway's Prometheus metrics (vLLM's serving definitions: TTFT, TPOT, ITL, E2E)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "baton_ttft_seconds", "Request arrival to first token", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "baton_tpot_seconds", "(E2E - TTFT) / (output tokens - 1)", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "baton_itl_seconds", "Gap between consecutive tokens", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "baton_e2e_seconds", "Request arrival to last token", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.requests = Counter(
+            "baton_requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
+        self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens", registry=r)
+        self.output_tokens = Counter("baton_output_tokens", "Generated tokens", registry=r)
+        self.in_flight = Gauge("baton_requests_in_flight", "Requests being served", registry=r)
+        self.queue = Gauge(
+            "baton_queue_depth",
+            "Published queue depth per role (prefill: pending prompt tokens; decode: "
+            "requests waiting for KV space)",
+            ["role"],
+            registry=r,
+        )
+        self.live = Gauge("baton_live_instances", "Live instances per role", ["role"], registry=r)
+
+    def render(self, refresh: Callable[[], None]) -> bytes:
+        refresh()
+        return generate_latest(self.registry)

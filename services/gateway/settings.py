@@ -1,0 +1,31 @@
+"""Settings of the gateway (``BATON_GATEWAY_*``; model and cluster from ``BATON_*``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATON_GATEWAY_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # comma-separated; empty = no authentication
+    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the model's context
+    max_in_flight: int = Field(default=256, ge=1)  # over this: 429 with Retry-After
+    max_pending_prompt_tokens: int = Field(default=65536, ge=1)  # per prefill instance
+    refresh_s: float = Field(default=0.5, gt=0)  # membership poll (half a heartbeat)
+    worker_timeout_s: float = Field(default=600.0, gt=0)
+    prefill_attempts: int = Field(default=2, ge=1)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value

@@ -1,0 +1,219 @@
+"""The cluster's services, described once: what each role runs and with which environment.
+
+:func:`plan` turns a :class:`Topology` into one :class:`ServiceSpec` per
+process. The local launcher (``baton up``, and the tests) starts exactly
+these as processes with a real redis-server; ``docker-compose.yml`` runs the
+same commands with the same environment (a test checks it against
+:func:`compose_plan`), the only differences being addresses: under compose
+each container advertises its own IP and every replica uses its role's
+default port inside its own container.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from shared.procs import RedisProcess, ServiceProcess
+
+ROLE_MODULES = {
+    "kvstore": "services.kvstore",
+    "prefill": "services.prefill",
+    "decode": "services.decode",
+    "gateway": "services.gateway",
+}
+DEFAULT_PORTS = {"gateway": 8000, "prefill": 8100, "decode": 8200, "kvstore": 8300}
+KVSTORE_DATA_PORT = 8301
+COMPOSE_REDIS_URL = "redis://redis:6379/0"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str  # e.g. "prefill-1"
+    role: str
+    env: dict[str, str]
+    http_port: int
+
+    @property
+    def module(self) -> str:
+        return ROLE_MODULES[self.role]
+
+    def command(self, python: str = "python") -> list[str]:
+        return [python, "-m", self.module]
+
+
+PortFn = Callable[[str, int], int]  # (role, replica index) -> port
+
+
+def base_ports(role: str, index: int) -> int:
+    """Default ports; replicas of a role count up from its base (8100, 8101, ...)."""
+    if role == "kvstore-data":
+        return KVSTORE_DATA_PORT + 10 * index
+    return DEFAULT_PORTS[role] + (10 * index if role == "kvstore" else index)
+
+
+@dataclass(frozen=True)
+class Topology:
+    redis_url: str
+    prefill: int = 1
+    decode: int = 1
+    kvstore: int = 1
+    gateway_port: int = DEFAULT_PORTS["gateway"]
+    advertise_host: str | None = "127.0.0.1"  # None: each service finds its own (compose)
+    ports: PortFn = base_ports
+    transport: str = "ucx"
+    model: str | None = None
+    dtype: str | None = None
+    threads: int | None = 1  # per prefill/decode process
+    kv_cache_gb: float | None = None  # per prefill/decode process
+    kvstore_gb: float | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def plan(topo: Topology) -> list[ServiceSpec]:
+    common = {"BATON_REDIS_URL": topo.redis_url, "BATON_TRANSPORT": topo.transport}
+    if topo.model:
+        common["BATON_MODEL"] = topo.model
+    if topo.dtype:
+        common["BATON_DTYPE"] = topo.dtype
+    common.update(topo.extra_env)
+    specs: list[ServiceSpec] = []
+
+    def advertise(prefix: str) -> dict[str, str]:
+        if topo.advertise_host is None:
+            return {}
+        return {f"BATON_{prefix}_ADVERTISE_HOST": topo.advertise_host}
+
+    for i in range(topo.kvstore):
+        http, data = topo.ports("kvstore", i), topo.ports("kvstore-data", i)
+        env = {
+            **common,
+            "BATON_KVSTORE_HTTP_PORT": str(http),
+            "BATON_KVSTORE_DATA_PORT": str(data),
+            **advertise("KVSTORE"),
+        }
+        if topo.kvstore_gb:
+            env["BATON_KVSTORE_CAPACITY_GB"] = f"{topo.kvstore_gb:g}"
+        specs.append(ServiceSpec(f"kvstore-{i}", "kvstore", env, http))
+    for role in ("prefill", "decode"):
+        for i in range(getattr(topo, role)):
+            port = topo.ports(role, i)
+            env = {**common, f"BATON_{role.upper()}_PORT": str(port), **advertise(role.upper())}
+            if topo.threads:
+                env["BATON_NUM_THREADS"] = str(topo.threads)
+            if topo.kv_cache_gb:
+                env["BATON_KV_CACHE_GB"] = f"{topo.kv_cache_gb:g}"
+            specs.append(ServiceSpec(f"{role}-{i}", role, env, port))
+    env = {**common, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
+    specs.append(ServiceSpec("gateway", "gateway", env, topo.gateway_port))
+    return specs
+
+
+def compose_plan(transport: str = "ucx") -> list[ServiceSpec]:
+    """What docker-compose.yml must run: one replica per role, container addresses."""
+    return plan(
+        Topology(
+            redis_url=COMPOSE_REDIS_URL,
+            advertise_host=None,
+            transport=transport,
+            threads=None,
+        )
+    )
+
+
+class LocalCluster:
+    """Redis + the planned services as local processes; stop() tears down in reverse."""
+
+    def __init__(
+        self,
+        topo_for: Callable[[str], Topology],
+        *,
+        redis_port: int | None = None,
+        log_dir: Path | None = None,
+        prefix_output: bool = False,
+    ):
+        self.redis = RedisProcess(redis_port)
+        self.topo_for = topo_for
+        self.log_dir = log_dir
+        self.prefix_output = prefix_output
+        self.procs: dict[str, ServiceProcess] = {}
+        self.specs: list[ServiceSpec] = []
+
+    @property
+    def gateway_url(self) -> str:
+        gw = next(s for s in self.specs if s.role == "gateway")
+        return f"http://127.0.0.1:{gw.http_port}"
+
+    def start(self, timeout_s: float = 180.0) -> LocalCluster:
+        try:
+            self.redis.start()
+            self.specs = plan(self.topo_for(self.redis.url))
+            stages = [["kvstore"], ["prefill", "decode"], ["gateway"]]
+            for roles in stages:
+                started = [self._start(s) for s in self.specs if s.role in roles]
+                for proc in started:
+                    proc.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, spec: ServiceSpec) -> ServiceProcess:
+        log = None if self.log_dir is None else self.log_dir / f"{spec.name}.log"
+        proc = ServiceProcess(
+            spec.module,
+            spec.env,
+            f"http://127.0.0.1:{spec.http_port}/ready",
+            log,
+            prefix=spec.name if self.prefix_output else None,
+        )
+        self.procs[spec.name] = proc.start()
+        return proc
+
+    def add(self, spec: ServiceSpec, timeout_s: float = 180.0) -> ServiceProcess:
+        """Start one more service (a new replica) into the running cluster."""
+        self.specs.append(spec)
+        return self._start(spec).wait_ready(timeout_s)
+
+    def stop(self) -> None:
+        order = ["gateway", "decode", "prefill", "kvstore"]
+        for role in order:
+            for spec in self.specs:
+                proc = self.procs.get(spec.name)
+                if spec.role == role and proc is not None:
+                    proc.stop()
+        self.redis.stop()
+
+
+def run_until_signalled(cluster: LocalCluster) -> int:
+    """``baton up``: start, print the URL, wait for Ctrl-C / SIGTERM, stop cleanly."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    t0 = time.perf_counter()
+    cluster.start()  # Ctrl-C here interrupts start-up, which tears down what started
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(
+        f"baton: cluster up in {time.perf_counter() - t0:.1f} s; "
+        f"OpenAI API at {cluster.gateway_url}/v1 (redis {cluster.redis.url}); Ctrl-C stops",
+        flush=True,
+    )
+    try:
+        while not stop.wait(1.0):
+            dead = [n for n, p in cluster.procs.items() if not p.alive]
+            if dead:
+                print(f"baton: {', '.join(dead)} exited; stopping", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        print("baton: stopping", flush=True)
+        cluster.stop()
