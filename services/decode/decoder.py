@@ -213,12 +213,16 @@ class Decoder(Worker):
             self.loop.unsubscribe(req.request_id)
             self.jobs.pop(req.request_id, None)
             self.in_flight.pop(req.request_id, None)
-            if pull is not None and not pull.done():
-                pull.cancel()
-                with contextlib.suppress(BaseException):
-                    await pull
             if not finished:
-                self._release(job)
+                self.background.spawn(self._cleanup(job, pull), f"decode-cleanup:{req.request_id}")
+
+    async def _cleanup(self, job: DecodeJob, pull: asyncio.Task[None] | None) -> None:
+        """Stop the pull (nothing writes into the blocks after this), then free them."""
+        if pull is not None and not pull.done():
+            pull.cancel()
+            with contextlib.suppress(BaseException):
+                await pull
+        self._release(job)
 
 
 def _settle(fut: asyncio.Future[list[BlockId]], blocks: list[BlockId]) -> None:

@@ -69,6 +69,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.router.stop()
+        await self.handoff.background.drain()
         await self.http.aclose()
         await self.redis.aclose()
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import httpx
 
 from services.gateway.router import Pick, Router
+from shared.serving.background import Background
 from shared.serving.errors import ServiceError
 from shared.serving.protocol import (
     REQUEST_ID_HEADER,
@@ -44,6 +45,7 @@ from shared.serving.protocol import (
 
 log = logging.getLogger(__name__)
 LOST = "worker_lost"
+DRAIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Handoff:
         self.http = http
         self.router = router
         self.prefill_attempts = prefill_attempts
+        self.background = Background()
 
     async def _open_prefill(
         self, request_id: str, body: PrefillRequest
@@ -203,14 +206,22 @@ class Handoff:
             prefill_pick.done()
             if decode_pick is not None:
                 decode_pick.done()
-            if decode is not None:
-                await decode.aclose()
-            if drain is None:
-                await prefill.aclose()
-            elif not drain.done():
-                # the client is gone or we stopped early: the prefill commit can still
-                # finish in the background (the KV stays useful as cache), bounded
-                asyncio.get_running_loop().call_later(60.0, drain.cancel)
+            self.background.spawn(self._close(prefill, decode, drain), f"close:{request_id}")
+
+    async def _close(
+        self, prefill: WorkerStream, decode: WorkerStream | None, drain: asyncio.Task[None] | None
+    ) -> None:
+        """Closing a worker stream cancels the request there and frees its KV. After the
+        first token, prefill's commit may still finish (the KV stays useful as cache)."""
+        if decode is not None:
+            await decode.aclose()
+        if drain is None:
+            await prefill.aclose()
+        elif not drain.done():
+            try:
+                await asyncio.wait_for(drain, DRAIN_S)
+            except TimeoutError:
+                log.warning("prefill did not commit within %.0fs; abandoning it", DRAIN_S)
 
     async def _send_first(self, pick: Pick, request_id: str, token: WireToken) -> None:
         url = f"{pick.url}/v1/decode/{request_id}/first_token"

@@ -242,13 +242,19 @@ class Prefiller(Worker):
         finally:
             self.loop.unsubscribe(req.request_id)
             self.in_flight.pop(req.request_id, None)
-            if not committed:
-                writer.cancel()
-                with contextlib.suppress(BaseException):
-                    await writer
-                self.loop.post(lambda e: e.abort(req.request_id))
-                try:
-                    await put.revoke()
-                except (KVStoreError, TransportError) as exc:  # its reservation TTL frees it
-                    log.warning("revoking the KV put of %s failed: %s", req.request_id, exc)
-            self._forget(job)
+            self.background.spawn(
+                self._cleanup(job, writer, committed), f"prefill-cleanup:{req.request_id}"
+            )
+
+    async def _cleanup(self, job: PrefillJob, writer: asyncio.Task[None], committed: bool) -> None:
+        """Stop the writer (nothing reads the pool after this), abort, revoke, unpin."""
+        if not committed:
+            writer.cancel()
+            with contextlib.suppress(BaseException):
+                await writer
+            self.loop.post(lambda e: e.abort(job.request_id))
+            try:
+                await job.put.revoke()
+            except (KVStoreError, TransportError) as exc:  # its reservation TTL frees it
+                log.warning("revoking the KV put of %s failed: %s", job.request_id, exc)
+        self._forget(job)

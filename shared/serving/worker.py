@@ -30,6 +30,7 @@ from shared.engine.engine_loop import EngineLoop
 from shared.engine.model_runner import LayerHook
 from shared.kvstore.client import KVStoreClient
 from shared.logs import request_id_var
+from shared.serving.background import Background
 from shared.serving.errors import classify, error_response
 from shared.serving.protocol import REQUEST_ID_HEADER, ErrorEvent, encode_event
 from shared.transport import make_transport
@@ -95,6 +96,7 @@ class Worker:
         self._loop: EngineLoop | None = None
         self.heartbeat: Heartbeat | None = None
         self.in_flight: dict[str, Any] = {}
+        self.background = Background()
 
     @property
     def loop(self) -> EngineLoop:
@@ -166,6 +168,7 @@ class Worker:
     async def stop(self) -> None:
         if self.heartbeat is not None:
             await self.heartbeat.stop(deregister=True)
+        await self.background.drain()
         if self._loop is not None:
             await self._loop.stop()
         await self.kv.close()
@@ -180,6 +183,7 @@ class Worker:
             "busy_s": s.busy_s,
             "kv_blocks_total": float(self.engine.kv_cache.num_blocks),
             "waiting": float(len(self.engine.scheduler.waiting)),
+            "cleanups": float(len(self.background)),
             "running": float(len(self.engine.scheduler.running)),
         }
 

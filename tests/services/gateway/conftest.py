@@ -1,0 +1,63 @@
+"""A real local cluster for the end-to-end tests: redis-server, one KV store, two
+prefill and two decode instances and the gateway, as processes on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.launcher import LocalCluster, Topology
+from shared.procs import free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+FAST_HEARTBEAT = {"BATON_HEARTBEAT_S": "0.3", "BATON_MEMBER_TTL_S": "1.5"}
+
+
+def free_ports(role: str, index: int) -> int:
+    return free_port()
+
+
+@dataclass
+class Cluster:
+    local: LocalCluster
+    url: str
+
+    def stats(self, role: str) -> list[dict[str, float]]:
+        out = []
+        for spec in self.local.specs:
+            proc = self.local.procs.get(spec.name)
+            if spec.role == role and proc is not None and proc.alive:
+                r = httpx.get(f"http://127.0.0.1:{spec.http_port}/stats", timeout=5)
+                out.append(r.json())
+        return out
+
+
+def start_cluster(tmp: Path, *, prefill: int, decode: int, **env: str) -> LocalCluster:
+    def topology(redis_url: str) -> Topology:
+        return Topology(
+            redis_url=redis_url,
+            prefill=prefill,
+            decode=decode,
+            gateway_port=free_port(),
+            ports=free_ports,
+            transport="ucx",
+            threads=1,
+            kv_cache_gb=0.25,
+            kvstore_gb=0.25,
+            extra_env={**FAST_HEARTBEAT, "BATON_LOG_LEVEL": "warning", **env},
+        )
+
+    return LocalCluster(topology, log_dir=tmp).start()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    local = start_cluster(tmp_path_factory.mktemp("cluster"), prefill=2, decode=2)
+    try:
+        yield Cluster(local, local.gateway_url)
+    finally:
+        local.stop()
