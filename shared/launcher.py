@@ -115,14 +115,18 @@ def plan(topo: Topology) -> list[ServiceSpec]:
     return specs
 
 
-def compose_plan(transport: str = "ucx") -> list[ServiceSpec]:
-    """What docker-compose.yml must run: one replica per role, container addresses."""
+def compose_plan() -> list[ServiceSpec]:
+    """What docker-compose.yml must run: one replica per role, container addresses.
+
+    UCX between containers uses its TCP transport only: its cross-process memory
+    transport (cma) needs ptrace rights that Docker's default profile withholds."""
     return plan(
         Topology(
             redis_url=COMPOSE_REDIS_URL,
             advertise_host=None,
-            transport=transport,
+            transport="ucx",
             threads=None,
+            extra_env={"UCX_TLS": "tcp"},
         )
     )
 

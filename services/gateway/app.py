@@ -60,7 +60,7 @@ class Gateway:
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        self.handoff = Handoff(self.http, self.router, prefill_attempts=settings.prefill_attempts)
+        self.handoff = Handoff(self.http, self.router, attempts=settings.connect_attempts)
         self.metrics = GatewayMetrics()
         self.in_flight = 0
 
@@ -180,10 +180,7 @@ class Gateway:
                 raise ServiceError(
                     503, f"no live {role} instance is available", code="no_live_instance"
                 )
-        pending = [
-            m.load.get("pending_tokens", 0.0) + self.router.local[m.instance_id]
-            for m in self.router.live("prefill")
-        ]
+        pending = [self.router.score(m, "prefill") for m in self.router.live("prefill")]
         if min(pending) + len(prepared.prompt) > self.settings.max_pending_prompt_tokens:
             raise ServiceError(
                 429, "prefill queues are full; retry later", code="overloaded", headers=retry

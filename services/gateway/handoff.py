@@ -109,43 +109,46 @@ async def open_stream(
 
 
 class Handoff:
-    def __init__(self, http: httpx.AsyncClient, router: Router, *, prefill_attempts: int):
+    def __init__(self, http: httpx.AsyncClient, router: Router, *, attempts: int):
         self.http = http
         self.router = router
-        self.prefill_attempts = prefill_attempts
+        self.attempts = attempts
         self.background = Background()
 
-    async def _open_prefill(
-        self, request_id: str, body: PrefillRequest
+    async def _open(
+        self, role: str, path: str, payload: str, request_id: str, cost: int
     ) -> tuple[Pick, WorkerStream, Accepted]:
+        """Open ``path`` on an instance of ``role`` and wait for ``accepted``. An instance
+        that refuses the connection is benched and another tried (nothing was sent to
+        the client yet); :meth:`Router.pick` raises 503 once none is left."""
         tried: set[str] = set()
-        payload = body.model_dump_json()
-        for attempt in range(self.prefill_attempts):
-            pick = self.router.pick_prefill(len(body.prompt_token_ids), tried)
+        for attempt in range(self.attempts):
+            pick = self.router.pick(role, cost, tried)
             try:
-                stream = await open_stream(
-                    self.http, f"{pick.url}/v1/prefill", payload, request_id, "prefill"
-                )
-                first = await stream.next()
+                stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 pick.done()
                 self.router.bench(pick.member)
                 tried.add(pick.member.instance_id)
-                log.warning("prefill %s unreachable (%s)", pick.member.instance_id, exc)
-                if attempt + 1 == self.prefill_attempts:
-                    raise ServiceError(
-                        503, "no prefill instance could be reached", code="no_live_instance"
-                    ) from exc
-                continue
+                log.warning("%s %s unreachable (%s)", role, pick.member.instance_id, exc)
+                if attempt + 1 < self.attempts:
+                    continue
+                raise ServiceError(
+                    503, f"no {role} instance could be reached", code="no_live_instance"
+                ) from exc
             except BaseException:
                 pick.done()
                 raise
-            if not isinstance(first, Accepted):
-                await stream.aclose()
+            try:
+                first = await stream.next()
+                if not isinstance(first, Accepted):
+                    raise ServiceError(502, f"{role} sent {first.event} before accepted")
+            except BaseException:
                 pick.done()
-                raise ServiceError(502, f"prefill sent {first.event} before accepted")
+                await stream.aclose()
+                raise
             return pick, stream, first
-        raise AssertionError("unreachable")
+        raise ServiceError(503, f"no {role} instance could be reached", code="no_live_instance")
 
     async def generate(
         self,
@@ -154,21 +157,20 @@ class Handoff:
         sampling: SamplingSpec,
         cache_salt: str | None,
     ) -> AsyncGenerator[Generated, None]:
-        prefill_pick, prefill, accepted = await self._open_prefill(
-            request_id,
-            PrefillRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                sampling=sampling,
-                cache_salt=cache_salt,
-            ),
+        prefill_body = PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            cache_salt=cache_salt,
+        )
+        prefill_pick, prefill, accepted = await self._open(
+            "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt)
         )
         decode_pick: Pick | None = None
         decode: WorkerStream | None = None
         drain: asyncio.Task[None] | None = None
         try:
             if sampling.max_tokens > 1:
-                decode_pick = self.router.pick_decode()
                 body = DecodeRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt,
@@ -176,14 +178,10 @@ class Handoff:
                     cache_salt=cache_salt,
                     kv_ids=accepted.kv_ids,
                 )
-                decode = await open_stream(
-                    self.http,
-                    f"{decode_pick.url}/v1/decode",
-                    body.model_dump_json(),
-                    request_id,
-                    "decode",
+                # once accepted, decode reserves KV pool space and pulls from the store
+                decode_pick, decode, _ = await self._open(
+                    "decode", "/v1/decode", body.model_dump_json(), request_id, 1
                 )
-                await decode.next()  # accepted: it reserves KV space and pulls from now on
             first = await prefill.next()
             if not isinstance(first, FirstTokenEvent):
                 raise ServiceError(502, f"prefill sent {first.event} instead of the first token")

@@ -32,6 +32,7 @@ from shared.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
+LOAD_KEYS = {"prefill": "pending_tokens", "decode": "running"}  # what JSQ counts per role
 BENCH_S = 5.0
 
 
@@ -109,28 +110,22 @@ class Router:
         """Stop routing to ``member`` for a while (it refused a connection)."""
         self.benched[member.instance_id] = time.monotonic() + BENCH_S
 
-    def _choose(self, role: str, load_key: str, cost: float, exclude: set[str]) -> Pick:
-        members = [m for m in self.live(role) if m.instance_id not in exclude]
+    def score(self, member: Member, role: str) -> float:
+        """Published load plus what this gateway sent there since."""
+        return member.load.get(LOAD_KEYS[role], 0.0) + self.local[member.instance_id]
+
+    def pick(self, role: str, cost: float, exclude: set[str] | None = None) -> Pick:
+        """Prefill: fewest pending prompt tokens (JSQ), ``cost`` = this prompt's tokens.
+        Decode: fewest running requests, ``cost`` = 1. Raises 503 when none is live."""
+        excluded = exclude or set()
+        members = [m for m in self.live(role) if m.instance_id not in excluded]
         if not members:
             raise ServiceError(
                 503, f"no live {role} instance is available", code="no_live_instance"
             )
-
-        def score(m: Member) -> float:
-            return m.load.get(load_key, 0.0) + self.local[m.instance_id]
-
-        best = min(members, key=score)
+        best = min(members, key=lambda m: self.score(m, role))
         self.local[best.instance_id] += cost
-        return Pick(best, cost, self)
-
-    def pick_prefill(self, prompt_tokens: int, exclude: set[str] | None = None) -> Pick:
-        return self._choose("prefill", "pending_tokens", float(prompt_tokens), exclude or set())
-
-    def pick_decode(self, exclude: set[str] | None = None) -> Pick:
-        return self._choose("decode", "running", 1.0, exclude or set())
-
-    def pending_prompt_tokens(self, pick: Pick) -> float:
-        return pick.member.load.get("pending_tokens", 0.0) + self.local[pick.member.instance_id]
+        return Pick(best, float(cost), self)
 
     def queue_depths(self) -> dict[str, float]:
         out = {}

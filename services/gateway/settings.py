@@ -21,7 +21,7 @@ class GatewaySettings(BaseSettings):
     max_pending_prompt_tokens: int = Field(default=65536, ge=1)  # per prefill instance
     refresh_s: float = Field(default=0.5, gt=0)  # membership poll (half a heartbeat)
     worker_timeout_s: float = Field(default=600.0, gt=0)
-    prefill_attempts: int = Field(default=2, ge=1)
+    connect_attempts: int = Field(default=3, ge=1)  # instances tried per role and request
 
     @field_validator("api_keys", mode="before")
     @classmethod

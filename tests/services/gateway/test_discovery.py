@@ -1,0 +1,87 @@
+"""Discovery through Redis only: a new decode replica takes traffic within a heartbeat,
+a stopped one is dropped at once, a dead one after its key expires, and with no decode
+left the gateway answers 503 (and /ready says so)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.launcher import LocalCluster, Topology, plan
+from tests.services.gateway.conftest import FAST_HEARTBEAT, MODEL, free_ports, start_cluster
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[LocalCluster]:
+    local = start_cluster(tmp_path, prefill=1, decode=1)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def request_burst(url: str, n: int) -> list[int]:
+    async def one(client: httpx.AsyncClient) -> int:
+        r = await client.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "Hello there", "max_tokens": 6, "ignore_eos": True},
+        )
+        return r.status_code
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return list(await asyncio.gather(*(one(client) for _ in range(n))))
+
+    return asyncio.run(run())
+
+
+def decode_steps(local: LocalCluster, name: str) -> float:
+    spec = next(s for s in local.specs if s.name == name)
+    return float(httpx.get(f"http://127.0.0.1:{spec.http_port}/stats", timeout=5).json()["steps"])
+
+
+def test_replicas_come_and_go(small: LocalCluster) -> None:
+    url = small.gateway_url
+    assert request_burst(url, 2) == [200, 200]
+
+    # a new decode replica: registered in Redis by itself, no host list anywhere
+    topo = Topology(
+        redis_url=small.redis.url,
+        decode=2,
+        ports=free_ports,
+        transport="ucx",
+        kv_cache_gb=0.25,
+        extra_env={**FAST_HEARTBEAT, "BATON_LOG_LEVEL": "warning"},
+    )
+    extra = next(s for s in plan(topo) if s.name == "decode-1")
+    small.add(extra)
+    time.sleep(float(FAST_HEARTBEAT["BATON_HEARTBEAT_S"]) * 2)  # one heartbeat + one refresh
+    assert request_burst(url, 6) == [200] * 6
+    assert decode_steps(small, "decode-1") > 0  # least-loaded routing used the newcomer
+
+    # a cleanly stopped replica deregisters and is dropped before the next request
+    small.procs["decode-0"].stop()
+    assert request_burst(url, 3) == [200] * 3
+
+    # a crashed one: requests never fail with a 500, and once none is left it is a 503
+    small.procs["decode-1"].kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+            timeout=60,
+        )
+        assert r.status_code in (502, 503), r.text
+        if r.status_code == 503 and "decode" in r.json()["error"]["message"]:
+            break
+    else:
+        raise AssertionError("the gateway kept routing to a dead decode instance")
+    assert r.json()["error"]["code"] == "no_live_instance"
+    ready = httpx.get(url + "/ready", timeout=5)
+    assert ready.status_code == 503 and ready.json()["decode"] == 0
