@@ -207,3 +207,57 @@ def test_requests_that_can_never_fit_are_rejected() -> None:
         s.add(req(200, max_tokens=100))  # over max_model_len
     with pytest.raises(RequestTooLongError):
         s.add(req(20, max_tokens=4))  # more blocks than the pool has
+
+
+def prefilled(s: Scheduler, n_prompt: int, max_tokens: int = 4, first: int = 50) -> Request:
+    """A request whose prompt KV arrived from elsewhere, in blocks it already owns."""
+    r = req(n_prompt, max_tokens)
+    r.output_token_ids = [first]
+    r.block_ids = s.pool.allocate(-(-(n_prompt + 1) // s.block_size))
+    s.add_prefilled(r)
+    return r
+
+
+def test_prefilled_request_decodes_from_its_first_token() -> None:
+    s = make()
+    r = prefilled(s, 10, max_tokens=3)
+    out = s.schedule()
+    (only,) = out.scheduled
+    assert only.request is r and only.num_new_tokens == 1 and only.samples
+    assert r.num_computed_tokens == 10  # the prompt was never recomputed here
+    s.update(out, {r.request_id: SampledToken(60)})
+    run_step(s, 61)
+    assert r.output_token_ids == [50, 60, 61]
+    assert r.finish_reason is FinishReason.LENGTH
+    assert_idle(s)
+
+
+def test_prefilled_requests_respect_max_num_seqs() -> None:
+    s = make(max_seqs=2)
+    rs = [prefilled(s, 5) for _ in range(3)]
+    out = s.schedule()
+    assert [x.request for x in out.scheduled] == rs[:2]
+    assert rs[2] in s.prefilled
+
+
+def test_prefilled_request_refuses_missing_blocks_or_a_finished_first_token() -> None:
+    s = make()
+    short = req(10)
+    short.output_token_ids = [50]
+    short.block_ids = s.pool.allocate(1)  # 10 tokens need 3 blocks of 4
+    with pytest.raises(ValueError, match="blocks"):
+        s.add_prefilled(short)
+    eos = req(3)
+    eos.output_token_ids = [EOS]
+    eos.block_ids = s.pool.allocate(1)
+    with pytest.raises(ValueError, match="ends"):
+        s.add_prefilled(eos)
+
+
+def test_aborting_a_prefilled_request_before_it_joins_frees_its_blocks() -> None:
+    s = make(max_seqs=1)
+    prefilled(s, 5)
+    waiting = prefilled(s, 5)
+    s.schedule()
+    s.finish(waiting.request_id, FinishReason.ABORT)
+    assert waiting not in s.prefilled and not waiting.block_ids

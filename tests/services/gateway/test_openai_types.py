@@ -1,0 +1,81 @@
+"""Request validation at the edge and the shape of responses (no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.handoff import Generated
+from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.responses import Prepared, ResponseBuilder
+from shared.model.loader import LoadedModel
+from shared.serving.protocol import WireToken
+
+
+def test_chat_limits_and_extensions() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 5,
+            "max_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stop": "x",
+            "unknown_field": 1,
+        }
+    )
+    assert body.limit() == 5 and body.num_logprobs() == 3 and body.stop_list() == ("x",)
+    assert body.message_dicts() == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"n": 3},
+        {"max_tokens": 0},
+        {"temperature": 2.5},
+        {"stop": ["a"] * 17},
+        {"top_logprobs": 2},
+        {"messages": []},
+    ],
+)
+def test_chat_rejects(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **bad}
+        )
+
+
+def test_completion_prompt_forms() -> None:
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["one"]}).prompt == "one"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
+    for bad in (["a", "b"], [], "x"):
+        body = {"model": "m", "prompt": bad}
+        if bad == "x":
+            body["echo"] = True
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(body)
+
+
+def test_stop_string_ends_the_text_and_usage_counts_tokens(loaded_fp32: LoadedModel) -> None:
+    tok = loaded_fp32.tokenizer
+    ids = tok.encode("Hello world. Goodbye moon.", add_special_tokens=False)
+    prepared = Prepared(
+        kind="completion", request_id="r", model="m", prompt=[1, 2, 3], max_tokens=50,
+        stop=(" Goodbye",), num_logprobs=None, include_usage=True, return_token_ids=True,
+    )  # fmt: skip
+    builder = ResponseBuilder(prepared, tok)
+    steps = []
+    for tid in ids:
+        steps.append(builder.add(Generated(WireToken(id=tid), None)))
+        if steps[-1].finish_reason:
+            break
+    assert "".join(s.text for s in steps) == "Hello world."
+    assert builder.finish_reason == "stop"
+    body = builder.response(steps)
+    assert body["usage"]["completion_tokens"] == len(steps) < len(ids)
+    usage = json.loads(builder.usage_chunk()[len("data: ") :])
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3 + len(steps)

@@ -1,0 +1,53 @@
+"""The engine on its own thread, driven from asyncio (the services' way to run it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.engine.engine_loop import EngineLoop
+from shared.engine.sampling_params import SamplingParams
+from tests.conftest import EngineFactory
+
+
+async def test_outputs_arrive_in_order_and_match_a_plain_engine(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine()
+    prompts = [engine.tokenizer.encode(t) for t in ("Hello", "One two three four five six")]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reference = [c.token_ids for c in make_engine().generate(prompts, params)]
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        queues = [loop.subscribe(f"r{i}") for i in range(len(prompts))]
+        for i, p in enumerate(prompts):
+            await loop.call(lambda e, p=p, i=i: e.add_request(p, params, request_id=f"r{i}"))
+        got = []
+        for q in queues:
+            tokens: list[int] = []
+            while True:
+                out = await asyncio.wait_for(q.get(), 60)
+                assert out is not None
+                tokens += out.new_token_ids
+                if out.finished:
+                    break
+            got.append(tokens)
+        assert got == reference
+        assert loop.stats.steps > 0
+    finally:
+        await loop.stop()
+
+
+async def test_call_propagates_errors_and_the_loop_survives(make_engine: EngineFactory) -> None:
+    loop = EngineLoop(make_engine())
+    loop.start()
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            await loop.call(lambda e: (_ for _ in ()).throw(ValueError("boom")))
+        assert await loop.call(lambda e: e.block_pool.num_free) > 0
+        assert loop.alive
+    finally:
+        await loop.stop()
+    assert not loop.alive
