@@ -52,12 +52,15 @@ def test_chat_rejects(bad: dict[str, object]) -> None:
 def test_completion_prompt_forms() -> None:
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["one"]}).prompt == "one"
     assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
-    for bad in (["a", "b"], [], "x"):
-        body = {"model": "m", "prompt": bad}
-        if bad == "x":
-            body["echo"] = True
+    bodies: list[dict[str, object]] = [
+        {"prompt": ["a", "b"]},
+        {"prompt": []},
+        {"prompt": "x", "echo": True},
+        {"prompt": "x", "suffix": "y"},
+    ]
+    for body in bodies:
         with pytest.raises(ValidationError):
-            CompletionRequest.model_validate(body)
+            CompletionRequest.model_validate({"model": "m", **body})
 
 
 def test_stop_string_ends_the_text_and_usage_counts_tokens(loaded_fp32: LoadedModel) -> None:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
@@ -23,7 +24,11 @@ async def test_outputs_arrive_in_order_and_match_a_plain_engine(
     try:
         queues = [loop.subscribe(f"r{i}") for i in range(len(prompts))]
         for i, p in enumerate(prompts):
-            await loop.call(lambda e, p=p, i=i: e.add_request(p, params, request_id=f"r{i}"))
+
+            def add(e: Engine, p: list[int] = p, rid: str = f"r{i}") -> str:
+                return e.add_request(p, params, request_id=rid)
+
+            await loop.call(add)
         got = []
         for q in queues:
             tokens: list[int] = []
