@@ -1,0 +1,190 @@
+"""Disaggregated serving against the in-process engine, at low load (one request at a time).
+
+Starts a local cluster (redis-server, one KV store, one prefill, one decode,
+the gateway; 1 torch thread per worker) and, in this process, the same engine
+with 1 thread. For each prompt length it alternates the two, request by
+request, on identical prompts (random token ids of exact length, greedy,
+``ignore_eos``), and reports medians of:
+
+- TTFT (first streamed token) and TPOT ((E2E - TTFT) / (tokens - 1)), and
+  their ratios disaggregated / in-process (target <= 1.10);
+- the KV transfer not hidden behind prefill compute, as a share of prefill
+  compute: prefill's ``first token -> every layer committed in the store``
+  over ``start of compute -> first token``, from its Prometheus histograms
+  (target <= 5% for prompts >= 512 tokens);
+- the handoff gap the client sees: the first-to-second token gap minus the
+  median of the later gaps.
+
+    python -m benchmarks.serving_bench --lengths 128 512 1024 2048 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from shared.config import CacheConfig, EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from shared.launcher import LocalCluster, Topology
+from shared.procs import free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Sample:
+    ttft: float
+    tpot: float
+    handoff_gap: float
+
+
+def timeline_sample(arrival: float, stamps: list[float]) -> Sample:
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    ttft = stamps[0] - arrival
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    later = statistics.median(gaps[1:]) if len(gaps) > 1 else 0.0
+    return Sample(ttft, tpot, gaps[0] - later if gaps else 0.0)
+
+
+def run_in_process(engine: Engine, prompt: list[int], max_tokens: int) -> Sample:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, params, detokenize=False)
+    stamps = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                stamps.append(time.perf_counter())
+    return timeline_sample(t0, stamps)
+
+
+def run_disaggregated(url: str, client: httpx.Client, prompt: list[int], max_tokens: int) -> Sample:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    stamps = []
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text"' in line and '"finish_reason":null' in line:
+                stamps.append(time.perf_counter())
+    return timeline_sample(t0, stamps)
+
+
+def histogram_sums(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for name in ("compute", "exposed_transfer"):
+        m = re.search(rf"^baton_prefill_{name}_seconds_sum (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    engine = Engine.from_config(
+        EngineConfig(num_threads=1, cache=CacheConfig(kv_cache_bytes=1 << 29)), progress=False
+    )
+    rng = random.Random(0)
+    logs = Path(tempfile.mkdtemp(prefix="baton-bench-"))
+
+    def topology(redis_url: str) -> Topology:
+        return Topology(
+            redis_url=redis_url,
+            gateway_port=free_port(),
+            ports=lambda role, i: free_port(),
+            transport=args.transport,
+            threads=1,
+            kv_cache_gb=0.5,
+            kvstore_gb=0.5,
+            extra_env={"BATON_LOG_LEVEL": "warning"},
+        )
+
+    cluster = LocalCluster(topology, log_dir=logs).start()
+    prefill_url = next(
+        f"http://127.0.0.1:{s.http_port}" for s in cluster.specs if s.role == "prefill"
+    )
+    results = []
+    try:
+        with httpx.Client(timeout=600) as client:
+            # warm both paths (first-touch page faults, UCX wire-up)
+            warm = [rng.randrange(100, 49000) for _ in range(64)]
+            run_disaggregated(cluster.gateway_url, client, warm, 4)
+            run_in_process(engine, warm, 4)
+            for length in args.lengths:
+                local: list[Sample] = []
+                disagg: list[Sample] = []
+                before = histogram_sums(prefill_url)
+                for _ in range(args.repeats):
+                    prompt = [rng.randrange(100, 49000) for _ in range(length)]
+                    disagg.append(
+                        run_disaggregated(cluster.gateway_url, client, prompt, args.max_tokens)
+                    )
+                    local.append(run_in_process(engine, prompt, args.max_tokens))
+                after = histogram_sums(prefill_url)
+                compute = after["compute"] - before["compute"]
+                exposed = after["exposed_transfer"] - before["exposed_transfer"]
+
+                def med(xs: list[Sample], key: str) -> float:
+                    return statistics.median(getattr(x, key) for x in xs)
+
+                row = {
+                    "prompt_tokens": length,
+                    "ttft_in_process_s": med(local, "ttft"),
+                    "ttft_disagg_s": med(disagg, "ttft"),
+                    "tpot_in_process_s": med(local, "tpot"),
+                    "tpot_disagg_s": med(disagg, "tpot"),
+                    "exposed_transfer_share": exposed / compute if compute else None,
+                    "handoff_gap_s": med(disagg, "handoff_gap"),
+                    "samples": {
+                        "in_process": [asdict(x) for x in local],
+                        "disagg": [asdict(x) for x in disagg],
+                    },
+                }
+                row["ttft_ratio"] = row["ttft_disagg_s"] / row["ttft_in_process_s"]
+                row["tpot_ratio"] = row["tpot_disagg_s"] / row["tpot_in_process_s"]
+                results.append(row)
+                print(
+                    f"{length:5d} tok  TTFT {row['ttft_in_process_s'] * 1e3:7.1f} -> "
+                    f"{row['ttft_disagg_s'] * 1e3:7.1f} ms (x{row['ttft_ratio']:.3f})  "
+                    f"TPOT {row['tpot_in_process_s'] * 1e3:6.1f} -> "
+                    f"{row['tpot_disagg_s'] * 1e3:6.1f} ms (x{row['tpot_ratio']:.3f})  "
+                    f"exposed transfer {100 * (row['exposed_transfer_share'] or 0):.2f}% "
+                    f"of prefill  handoff gap {row['handoff_gap_s'] * 1e3:.1f} ms",
+                    flush=True,
+                )
+    finally:
+        cluster.stop()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"transport": args.transport, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
