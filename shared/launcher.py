@@ -99,7 +99,7 @@ def plan(topo: Topology) -> list[ServiceSpec]:
             **advertise("KVSTORE"),
         }
         if topo.kvstore_gb:
-            env["BATON_KVSTORE_CAPACITY_GB"] = f"{topo.kvstore_gb:g}"
+            env["BATON_KVSTORE_CAPACITY_GB"] = repr(topo.kvstore_gb)
         specs.append(ServiceSpec(f"kvstore-{i}", "kvstore", env, http))
     for role in ("prefill", "decode"):
         for i in range(getattr(topo, role)):
@@ -108,7 +108,7 @@ def plan(topo: Topology) -> list[ServiceSpec]:
             if topo.threads:
                 env["BATON_NUM_THREADS"] = str(topo.threads)
             if topo.kv_cache_gb:
-                env["BATON_KV_CACHE_GB"] = f"{topo.kv_cache_gb:g}"
+                env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)
             specs.append(ServiceSpec(f"{role}-{i}", role, env, port))
     env = {**common, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
     specs.append(ServiceSpec("gateway", "gateway", env, topo.gateway_port))

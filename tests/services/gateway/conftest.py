@@ -36,7 +36,9 @@ class Cluster:
         return out
 
 
-def start_cluster(tmp: Path, *, prefill: int, decode: int, **env: str) -> LocalCluster:
+def start_cluster(
+    tmp: Path, *, prefill: int, decode: int, kv_cache_gb: float = 0.25, **env: str
+) -> LocalCluster:
     def topology(redis_url: str) -> Topology:
         return Topology(
             redis_url=redis_url,
@@ -46,7 +48,7 @@ def start_cluster(tmp: Path, *, prefill: int, decode: int, **env: str) -> LocalC
             ports=free_ports,
             transport="ucx",
             threads=1,
-            kv_cache_gb=0.25,
+            kv_cache_gb=kv_cache_gb,
             kvstore_gb=0.25,
             extra_env={**FAST_HEARTBEAT, "BATON_LOG_LEVEL": "warning", **env},
         )
