@@ -12,7 +12,7 @@ import httpx
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.gateway.conftest import MODEL, start_cluster
+from tests.services.conftest import MODEL, start_cluster
 
 BLOCK_BYTES = 737_280  # the default model's fp32 block (16 tokens)
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from shared.launcher import LocalCluster, Topology, plan
-from tests.services.gateway.conftest import FAST_HEARTBEAT, MODEL, free_ports, start_cluster
+from tests.services.conftest import FAST_HEARTBEAT, MODEL, free_ports, start_cluster
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.gateway.conftest import MODEL, Cluster
+from tests.services.conftest import MODEL, Cluster
 
 STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting "

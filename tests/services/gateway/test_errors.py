@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from shared.procs import ServiceProcess, free_port
-from tests.services.gateway.conftest import FAST_HEARTBEAT, MODEL, Cluster
+from tests.services.conftest import FAST_HEARTBEAT, MODEL, Cluster
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

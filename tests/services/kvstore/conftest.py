@@ -14,9 +14,8 @@ from shared.cluster.keys import Keys
 from shared.errors import ConfigError
 from shared.kvstore.client import KVStoreClient
 from shared.procs import RedisProcess, ServiceProcess, free_port
-from shared.transport import Transport, make_transport
-
-TRANSPORTS = ["tcp", "ucx"]
+from shared.transport import Transport
+from tests.services.conftest import TRANSPORTS as TRANSPORTS
 
 
 class StoreNode:
@@ -71,15 +70,6 @@ def start_store(redis_server: RedisProcess, tmp_path: Path) -> Iterator[StoreFac
     yield start
     for node in started:
         node.proc.stop()
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def transports() -> AsyncIterator[dict[str, Transport]]:
-    """One transport of each kind per test process (UCXX keeps one context per process)."""
-    made = {name: make_transport(name) for name in TRANSPORTS}
-    yield made
-    for transport in made.values():
-        await transport.shutdown()
 
 
 ClientFactory = Callable[..., KVStoreClient]

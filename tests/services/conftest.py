@@ -1,17 +1,32 @@
-"""A real local cluster for the end-to-end tests: redis-server, one KV store, two
-prefill and two decode instances and the gateway, as processes on free ports."""
+"""Fixtures shared by the service tests: data-plane transports in the test process, and
+a real local cluster (redis-server, one KV store, two prefill and two decode instances
+and the gateway, as processes on free ports)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from shared.launcher import LocalCluster, Topology
 from shared.procs import free_port
+from shared.transport import Transport, make_transport
+
+TRANSPORTS = ["tcp", "ucx"]
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def transports() -> AsyncIterator[dict[str, Transport]]:
+    """One transport of each kind per test process (UCXX keeps one context per process)."""
+    made = {name: make_transport(name) for name in TRANSPORTS}
+    yield made
+    for transport in made.values():
+        await transport.shutdown()
+
 
 MODEL = "SmolLM2-135M-Instruct"
 FAST_HEARTBEAT = {"BATON_HEARTBEAT_S": "0.3", "BATON_MEMBER_TTL_S": "1.5"}

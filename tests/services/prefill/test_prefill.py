@@ -1,0 +1,79 @@
+"""Prefill streams each layer to the store while it still computes, and the bytes it
+sends are exactly the KV the in-process engine computes for the same prompt."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from shared.cluster.keys import Keys
+from shared.engine.sampling_params import SamplingParams
+from shared.kvstore.client import KVStoreClient
+from shared.serving.protocol import Accepted, decode_event
+from shared.transport import Transport
+from tests.conftest import EngineFactory
+from tests.services.conftest import Cluster
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_layers_reach_the_store_before_the_first_token(
+    cluster: Cluster, transports: dict[str, Transport], make_engine: EngineFactory
+) -> None:
+    prefill = next(s for s in cluster.local.specs if s.role == "prefill")
+    engine = make_engine()
+    layout = engine.layout
+    prompt = [200 + (i * 7) % 40000 for i in range(1000)]  # 62 full blocks + a tail
+    body = {
+        "request_id": "prefill-streaming-test",
+        "prompt_token_ids": prompt,
+        "sampling": {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": 1},
+    }
+    redis = aioredis.from_url(cluster.local.redis.url)
+    kv = KVStoreClient(transports["ucx"], redis, Keys("baton"))
+    order: list[tuple[str, object]] = []
+    try:
+        async with (
+            httpx.AsyncClient(timeout=120) as http,
+            http.stream("POST", f"http://127.0.0.1:{prefill.http_port}/v1/prefill", json=body) as r,
+        ):
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            accepted = decode_event(await anext(lines))
+            assert isinstance(accepted, Accepted)
+            assert len(accepted.kv_ids) == -(-len(prompt) // layout.block_size)
+            into = [np.zeros(layout.block_bytes, dtype=np.uint8) for _ in accepted.kv_ids]
+
+            async def pull() -> None:
+                async for layer in kv.stream(
+                    accepted.kv_ids, into, num_layers=layout.num_layers, wait_s=60
+                ):
+                    order.append(("layer", layer))
+
+            async def events() -> None:
+                async for line in lines:
+                    order.append(("event", decode_event(line).event))
+
+            await asyncio.gather(pull(), events())
+    finally:
+        await kv.close()
+        await redis.aclose()
+    assert order.index(("layer", 0)) < order.index(("event", "first_token"))
+    assert [e for e in order if e[0] == "event"] == [
+        ("event", "first_token"),
+        ("event", "committed"),
+    ]
+
+    # the store now holds exactly the KV the in-process engine computes
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    hashes = engine.hasher.hash_blocks(prompt)
+    assert [h.hex() for h in hashes] == accepted.kv_ids[: len(hashes)]
+    local = engine.block_pool.lookup(hashes)
+    assert len(local) == len(hashes)
+    for block_id, got in zip(local, into, strict=False):
+        expected = engine.kv_cache.block(block_id).contiguous().view(torch.uint8).numpy()
+        assert np.array_equal(expected.reshape(-1), got)
