@@ -195,10 +195,13 @@ class Decoder(Worker):
             )
             await self.loop.call(self._join(job, first))
             self.decode_metrics.join_wait_s.observe(time.perf_counter() - job.arrival)
+            generated, reason_text = 0, "?"
             while not finished:
                 out = await outputs.get()
                 if out is None:
                     raise RuntimeError("the engine stopped")
+                generated = out.num_output_tokens
+                reason_text = out.finish_reason.value if out.finish_reason else "?"
                 lps: list[TokenLogprobs | None] = list(out.new_logprobs)
                 lps += [None] * (len(out.new_token_ids) - len(lps))
                 for i, (tid, lp) in enumerate(zip(out.new_token_ids, lps, strict=True)):
@@ -209,6 +212,13 @@ class Decoder(Worker):
                         finish_reason=reason.value if reason is not None else None,
                     )
                 finished = out.finished
+            log.info(
+                "decoded %d tokens after a %d-token prompt in %.3fs (%s)",
+                generated,
+                n,
+                time.perf_counter() - job.arrival,
+                reason_text,
+            )
         finally:
             self.loop.unsubscribe(req.request_id)
             self.jobs.pop(req.request_id, None)

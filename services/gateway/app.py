@@ -214,6 +214,13 @@ class Timeline:
         self.tokens += 1
 
     def end(self, outcome: str) -> None:
+        log.info(
+            "request %s: %d tokens, ttft %s, e2e %.3fs",
+            outcome,
+            self.tokens,
+            f"{self.first - self.start:.3f}s" if self.first is not None else "-",
+            time.perf_counter() - self.start,
+        )
         self.metrics.requests.labels(outcome).inc()
         self.metrics.output_tokens.inc(self.tokens)
         if outcome != "ok" or self.first is None or self.last is None:

@@ -238,6 +238,15 @@ class Prefiller(Worker):
             committed = True
             exposed = time.perf_counter() - first_at
             self.prefill_metrics.exposed_s.observe(exposed)
+            log.info(
+                "prefilled %d tokens (%d KV blocks): queue %.3fs, compute %.3fs, "
+                "exposed transfer %.4fs",
+                job.num_prompt_tokens,
+                len(kv_ids),
+                queue_s,
+                compute_s,
+                exposed,
+            )
             yield Committed(exposed_transfer_s=exposed)
         finally:
             self.loop.unsubscribe(req.request_id)

@@ -65,7 +65,7 @@ def start_cluster(
             threads=1,
             kv_cache_gb=kv_cache_gb,
             kvstore_gb=0.25,
-            extra_env={**FAST_HEARTBEAT, "BATON_LOG_LEVEL": "warning", **env},
+            extra_env={**FAST_HEARTBEAT, **env},
         )
 
     return LocalCluster(topology, log_dir=tmp).start()

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,3 +244,35 @@ def test_stop_string_cuts_text_and_frees_decode(cluster: Cluster) -> None:
     assert choice["finish_reason"] == "stop"
     assert " seven" not in choice["text"]
     assert choice["text"].startswith(" five")
+
+
+def test_request_id_follows_the_request_and_metrics_count_it(cluster: Cluster) -> None:
+    rid = f"trace-{uuid.uuid4().hex[:8]}"
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Trace me", "max_tokens": 3, "ignore_eos": True},
+        headers={"X-Request-Id": rid},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == rid
+    assert r.json()["id"] == f"cmpl-{rid}"
+    seen: set[str] = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and seen != {"gateway", "prefill", "decode"}:
+        for spec in cluster.local.specs:
+            log_file = cluster.local.log_dir / f"{spec.name}.log" if cluster.local.log_dir else None
+            if log_file is None or not log_file.exists():
+                continue
+            for line in log_file.read_text().splitlines():
+                if rid in line:
+                    entry = json.loads(line)  # JSON lines, one object each
+                    assert entry["request_id"] == rid
+                    seen.add(entry["service"])
+        time.sleep(0.2)
+    assert seen == {"gateway", "prefill", "decode"}
+    metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        count = re.search(rf"^baton_{name}_seconds_count (\S+)$", metrics, re.M)
+        assert count is not None and float(count.group(1)) > 0, name
+    assert re.search(r'^baton_live_instances\{role="decode"\} 2.0$', metrics, re.M)
+    assert re.search(r'^baton_queue_depth\{role="prefill"\} ', metrics, re.M)
