@@ -54,6 +54,18 @@ class Generated:
     finish_reason: str | None  # set on the last token
 
 
+@dataclass
+class Started:
+    """A request with its worker streams open and (once set) its first token."""
+
+    prefill_pick: Pick
+    prefill: WorkerStream
+    decode_pick: Pick | None = None
+    decode: WorkerStream | None = None
+    first: FirstTokenEvent | None = None
+    drain: asyncio.Task[None] | None = None
+
+
 class WorkerStream:
     """An NDJSON event stream from a worker; ``aclose`` cancels the work there."""
 
@@ -67,11 +79,11 @@ class WorkerStream:
             line = await anext(self._lines)
         except StopAsyncIteration:
             raise ServiceError(
-                502, f"{self.who} ended its stream early", code="worker_lost"
+                502, f"{self.who} ended its stream early", code=LOST, who=self.who
             ) from None
         except httpx.HTTPError as exc:
             raise ServiceError(
-                502, f"{self.who} connection lost: {exc}", code="worker_lost"
+                502, f"{self.who} connection lost: {exc}", code=LOST, who=self.who
             ) from exc
         event = decode_event(line)
         if isinstance(event, ErrorEvent):
@@ -126,7 +138,7 @@ class Handoff:
             pick = self.router.pick(role, cost, tried)
             try:
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            except httpx.TransportError as exc:  # refused, reset, or a dead pooled connection
                 pick.done()
                 self.router.bench(pick.member)
                 tried.add(pick.member.instance_id)
@@ -150,15 +162,18 @@ class Handoff:
             return pick, stream, first
         raise ServiceError(503, f"no {role} instance could be reached", code="no_live_instance")
 
-    async def generate(
+    async def _start(
         self,
         request_id: str,
+        worker_id: str,
         prompt: list[int],
         sampling: SamplingSpec,
         cache_salt: str | None,
-    ) -> AsyncGenerator[Generated, None]:
+    ) -> Started:
+        """Open prefill, then decode (it pulls while prefill computes), and wait for the
+        first token. On failure, whatever was opened is closed (the work cancelled)."""
         prefill_body = PrefillRequest(
-            request_id=request_id,
+            request_id=worker_id,
             prompt_token_ids=prompt,
             sampling=sampling,
             cache_salt=cache_salt,
@@ -166,32 +181,74 @@ class Handoff:
         prefill_pick, prefill, accepted = await self._open(
             "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt)
         )
-        decode_pick: Pick | None = None
-        decode: WorkerStream | None = None
-        drain: asyncio.Task[None] | None = None
+        started = Started(prefill_pick, prefill)
         try:
             if sampling.max_tokens > 1:
                 body = DecodeRequest(
-                    request_id=request_id,
+                    request_id=worker_id,
                     prompt_token_ids=prompt,
                     sampling=sampling,
                     cache_salt=cache_salt,
                     kv_ids=accepted.kv_ids,
                 )
                 # once accepted, decode reserves KV pool space and pulls from the store
-                decode_pick, decode, _ = await self._open(
+                started.decode_pick, started.decode, _ = await self._open(
                     "decode", "/v1/decode", body.model_dump_json(), request_id, 1
                 )
             first = await prefill.next()
             if not isinstance(first, FirstTokenEvent):
                 raise ServiceError(502, f"prefill sent {first.event} instead of the first token")
-            prefill_pick.done()
-            drain = asyncio.create_task(self._drain(prefill), name=f"prefill-drain:{request_id}")
+        except BaseException as exc:
+            if isinstance(exc, ServiceError) and exc.code == LOST:
+                lost = started.decode_pick if exc.who == "decode" else prefill_pick
+                if lost is not None:
+                    self.router.bench(lost.member)
+            self._release(started, request_id)
+            raise
+        prefill_pick.done()
+        started.first = first
+        started.drain = asyncio.create_task(self._drain(prefill), name=f"drain:{request_id}")
+        return started
+
+    def _release(self, started: Started, request_id: str) -> None:
+        started.prefill_pick.done()
+        if started.decode_pick is not None:
+            started.decode_pick.done()
+        self.background.spawn(
+            self._close(started.prefill, started.decode, started.drain), f"close:{request_id}"
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        cache_salt: str | None,
+    ) -> AsyncGenerator[Generated, None]:
+        """Tokens of one request. A prefill instance lost before the first token (nothing
+        was sent to the client yet) is benched and the request starts over elsewhere."""
+        attempt = 0
+        while True:
+            worker_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
+            try:
+                started = await self._start(request_id, worker_id, prompt, sampling, cache_salt)
+                break
+            except ServiceError as exc:
+                lost = exc.code == LOST and exc.who == "prefill"
+                attempt += 1
+                if not lost or attempt >= self.attempts:
+                    raise
+                log.warning("prefill lost before the first token; retrying: %s", exc)
+        try:
+            first = started.first
+            decode = started.decode
+            if first is None:
+                raise ServiceError(502, "prefill gave no first token")
             reason = first.finish_reason or ("length" if sampling.max_tokens == 1 else None)
-            if decode is None or decode_pick is None or reason is not None:
+            if decode is None or started.decode_pick is None or reason is not None:
                 yield Generated(first.token, reason)
                 return
-            await self._send_first(decode_pick, request_id, first.token)
+            await self._send_first(started.decode_pick, worker_id, first.token)
             yield Generated(first.token, None)
             while True:
                 event = await decode.next()
@@ -201,10 +258,7 @@ class Handoff:
                 if event.finish_reason is not None:
                     return
         finally:
-            prefill_pick.done()
-            if decode_pick is not None:
-                decode_pick.done()
-            self.background.spawn(self._close(prefill, decode, drain), f"close:{request_id}")
+            self._release(started, request_id)
 
     async def _close(
         self, prefill: WorkerStream, decode: WorkerStream | None, drain: asyncio.Task[None] | None
@@ -231,7 +285,7 @@ class Handoff:
                 headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id},
             )
         except httpx.HTTPError as exc:
-            raise ServiceError(502, f"decode unreachable: {exc}", code="worker_lost") from exc
+            raise ServiceError(502, f"decode unreachable: {exc}", code=LOST) from exc
         if response.status_code != 200:
             raise ServiceError(502, f"decode refused the first token: {response.text[:300]}")
 

@@ -46,8 +46,10 @@ class ServiceError(BatonError):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        who: str | None = None,
     ):
         super().__init__(message)
+        self.who = who  # the role whose failure this reports, when it is a worker's
         self.status = status
         self.code = code
         self.param = param
