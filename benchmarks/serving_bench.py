@@ -105,6 +105,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--env", action="append", default=[], help="KEY=VALUE for every service (repeatable)"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -123,7 +126,7 @@ def main() -> None:
             threads=1,
             kv_cache_gb=0.5,
             kvstore_gb=0.5,
-            extra_env={"BATON_LOG_LEVEL": "warning"},
+            extra_env={"BATON_LOG_LEVEL": "warning", **dict(e.split("=", 1) for e in args.env)},
         )
 
     cluster = LocalCluster(topology, log_dir=logs).start()

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from prometheus_client import Histogram
 from pydantic import BaseModel
 
+from services.decode.settings import DecodeSettings
+from shared.config import BatonSettings
 from shared.engine.engine import Engine
 from shared.engine.request import TokenLogprobs
 from shared.engine.scheduler import cdiv
@@ -78,10 +80,11 @@ class DecodeMetrics:
 
 
 class Decoder(Worker):
+    settings: DecodeSettings
     role = "decode"
 
-    def __init__(self, *args: object, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, settings: DecodeSettings, baton: BatonSettings):
+        super().__init__(settings, baton)
         self.jobs: dict[str, DecodeJob] = {}
         self.decode_metrics = DecodeMetrics(self.metrics)
         self._pending: deque[DecodeJob] = deque()  # engine thread only
@@ -188,7 +191,7 @@ class Decoder(Worker):
             blocks = await job.reserved
             self.decode_metrics.admission_s.observe(time.perf_counter() - job.arrival)
             pull = asyncio.create_task(self._pull(job, blocks), name=f"pull:{req.request_id}")
-            timeout = self.settings.first_token_timeout_s  # type: ignore[attr-defined]
+            timeout = self.settings.first_token_timeout_s
             # a failed pull ends the request at once, not when the first token arrives
             _, first = await asyncio.wait_for(
                 asyncio.gather(pull, asyncio.shield(job.first)), timeout

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from prometheus_client import Histogram
 from pydantic import BaseModel
 
+from services.prefill.settings import PrefillSettings
+from shared.config import BatonSettings
 from shared.engine.engine import Engine
 from shared.engine.model_runner import LayerHook
 from shared.engine.request import FinishReason
@@ -57,6 +59,7 @@ class PrefillJob:
     num_prompt_tokens: int
     put: PutHandle
     layers: asyncio.Queue[LayerBatch] = field(default_factory=asyncio.Queue)
+    whole_blocks: bool = False  # send each block once, after its last layer
     arrival: float = field(default_factory=time.perf_counter)
     started: float | None = None  # first layer of its first step (engine thread)
     # engine-thread state
@@ -91,10 +94,11 @@ class PrefillMetrics:
 
 
 class Prefiller(Worker):
+    settings: PrefillSettings
     role = "prefill"
 
-    def __init__(self, *args: object, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, settings: PrefillSettings, baton: BatonSettings):
+        super().__init__(settings, baton)
         self.jobs: dict[str, PrefillJob] = {}
         self.prefill_metrics = PrefillMetrics(self.metrics)
         self._plan: StepPlan = []
@@ -171,7 +175,11 @@ class Prefiller(Worker):
         while written < len(job.kv_ids):
             layer, idxs, blocks = await job.layers.get()
             ids = [job.kv_ids[i] for i in idxs]
-            await job.put.write(ids, [pool[b, layer] for b in blocks], layers=(layer, layer + 1))
+            if not job.whole_blocks:
+                segments = [pool[b, layer] for b in blocks]
+                await job.put.write(ids, segments, layers=(layer, layer + 1))
+            elif layer == num_layers - 1:
+                await job.put.write(ids, [pool[b] for b in blocks])
             if layer == num_layers - 1:
                 written += len(idxs)
                 self._unpin(job, blocks)
@@ -200,9 +208,10 @@ class Prefiller(Worker):
             kv_ids,
             [layout.block_bytes] * len(kv_ids),
             num_layers=layout.num_layers,
-            ttl_s=self.settings.put_ttl_s,  # type: ignore[attr-defined]
+            ttl_s=self.settings.put_ttl_s,
         )
         job = PrefillJob(req.request_id, kv_ids, len(req.prompt_token_ids), put)
+        job.whole_blocks = job.num_prompt_tokens < self.settings.layerwise_min_tokens
         self.jobs[req.request_id] = job
         self.in_flight[req.request_id] = job
         outputs = self.loop.subscribe(req.request_id)

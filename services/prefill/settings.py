@@ -13,3 +13,6 @@ class PrefillSettings(WorkerSettings):
 
     port: int = Field(default=8100, ge=0, le=65535)
     put_ttl_s: float = Field(default=300.0, gt=0)  # store reservation: covers queueing here
+    # prompts shorter than this send whole blocks once, after the last layer (Splitwise
+    # does both: per-layer messages cost more than they hide for short prompts)
+    layerwise_min_tokens: int = Field(default=0, ge=0)
