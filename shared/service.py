@@ -1,17 +1,62 @@
-"""Running a service process: settings errors are one line, the app runs under uvicorn."""
+"""Running a service process: settings errors are one line, the app runs under uvicorn,
+and its long-lived part is built, started and stopped by the app's lifespan."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from shared.errors import BatonError
 from shared.logs import configure_logging
+
+
+class Component(Protocol):
+    """A service's long-lived part (clients, engine, listeners)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+C = TypeVar("C", bound=Component)
+
+
+def service_app(title: str, build: Callable[[], Awaitable[Component]]) -> FastAPI:
+    """A FastAPI app whose lifespan builds and starts the component (created once, then
+    injected into handlers through :func:`component_of`) and stops it on shutdown;
+    ``/health`` answers as soon as the process serves HTTP."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        component = await build()
+        await component.start()
+        app.state.component = component
+        try:
+            yield
+        finally:
+            await component.stop()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def component_of(request: Request, kind: type[C]) -> C:
+    component = request.app.state.component
+    if not isinstance(component, kind):
+        raise TypeError(f"this app serves a {type(component).__name__}, not a {kind.__name__}")
+    return component
 
 
 def _settings_error(exc: ValidationError) -> str:

@@ -31,6 +31,4 @@ def _routes(app: FastAPI, decoder: Decoder) -> None:
 
 
 def create_app(settings: DecodeSettings, baton: BatonSettings) -> FastAPI:
-    app = create_worker_app(Decoder(settings, baton), "Baton decode", _routes)
-    app.state.port = settings.port
-    return app
+    return create_worker_app(Decoder(settings, baton), "Baton decode", _routes)

@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import Histogram
 from pydantic import BaseModel
 
 from services.decode.settings import DecodeSettings
@@ -37,6 +36,7 @@ from shared.engine.scheduler import cdiv
 from shared.errors import InvalidRequestError, UnknownRequestError
 from shared.kv.block_pool import BlockId
 from shared.serving.errors import ServiceError
+from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import Accepted, DecodeRequest, TokenEvent, WireToken
 from shared.serving.worker import Worker, WorkerMetrics
 
@@ -58,24 +58,15 @@ class DecodeJob:
 
 class DecodeMetrics:
     def __init__(self, base: WorkerMetrics):
-        buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
-        self.admission_s = Histogram(
-            "baton_decode_admission_seconds",
-            "Arrival to KV pool space reserved",
-            registry=base.registry,
-            buckets=buckets,
+        r = base.registry
+        self.admission_s = latency_histogram(
+            r, "baton_decode_admission_seconds", "Arrival to KV pool space reserved"
         )
-        self.pull_s = Histogram(
-            "baton_decode_pull_seconds",
-            "KV pool space reserved to every prompt block pulled",
-            registry=base.registry,
-            buckets=buckets,
+        self.pull_s = latency_histogram(
+            r, "baton_decode_pull_seconds", "KV pool space reserved to every prompt block pulled"
         )
-        self.join_wait_s = Histogram(
-            "baton_decode_join_wait_seconds",
-            "Arrival to joining the running batch",
-            registry=base.registry,
-            buckets=buckets,
+        self.join_wait_s = latency_histogram(
+            r, "baton_decode_join_wait_seconds", "Arrival to joining the running batch"
         )
 
 
@@ -89,8 +80,8 @@ class Decoder(Worker):
         self.decode_metrics = DecodeMetrics(self.metrics)
         self._pending: deque[DecodeJob] = deque()  # engine thread only
 
-    async def start(self, port: int) -> None:
-        await super().start(port)
+    async def start(self) -> None:
+        await super().start()
         self.loop.watch(self._admit)
 
     def load(self) -> dict[str, float]:

@@ -37,6 +37,7 @@ from shared.config import BatonSettings
 from shared.errors import InvalidRequestError
 from shared.logs import request_id_var
 from shared.model.loader import TokenizerOnly, load_tokenizer
+from shared.service import component_of, service_app
 from shared.serving.errors import ServiceError, classify, error_body, error_response
 from shared.serving.protocol import REQUEST_ID_HEADER, SamplingSpec
 
@@ -355,23 +356,15 @@ async def _whole(
 
 
 def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def build() -> Gateway:
         model = await asyncio.to_thread(load_tokenizer, baton.model, cache_dir=baton.cache_dir)
-        gw = Gateway(settings, baton, model)
-        await gw.start()
-        app.state.gateway = gw
         log.info("gateway serving %s on port %d", model.name, settings.port)
-        try:
-            yield
-        finally:
-            await gw.stop()
+        return Gateway(settings, baton, model)
 
-    app = FastAPI(title="Baton gateway", lifespan=lifespan)
+    app = service_app("Baton gateway", build)
 
     def gateway(request: Request) -> Gateway:
-        gw: Gateway = request.app.state.gateway
-        return gw
+        return component_of(request, Gateway)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -403,10 +396,6 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
                 ],
             }
         )
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
 
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:

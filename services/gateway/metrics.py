@@ -4,30 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from shared.serving.metrics import latency_histogram
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
-            "baton_ttft_seconds", "Request arrival to first token", registry=r,
-            buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.tpot = Histogram(
-            "baton_tpot_seconds", "(E2E - TTFT) / (output tokens - 1)", registry=r,
-            buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "baton_itl_seconds", "Gap between consecutive tokens", registry=r,
-            buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "baton_e2e_seconds", "Request arrival to last token", registry=r,
-            buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+        self.ttft = latency_histogram(r, "baton_ttft_seconds", "Request arrival to first token")
+        self.tpot = latency_histogram(r, "baton_tpot_seconds", "(E2E - TTFT) / (output tokens - 1)")
+        self.itl = latency_histogram(r, "baton_itl_seconds", "Gap between consecutive tokens")
+        self.e2e = latency_histogram(r, "baton_e2e_seconds", "Request arrival to last token")
         self.requests = Counter(
             "baton_requests", "Finished requests by outcome", ["outcome"], registry=r
         )

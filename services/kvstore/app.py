@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -25,6 +24,7 @@ from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member
 from shared.config import ClusterConfig
+from shared.service import component_of, service_app
 from shared.transport import Listener, Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -78,14 +78,8 @@ class KVStoreNode:
         async def resync() -> None:
             self.publisher.resync()
 
-        self.heartbeat = Heartbeat(
-            self.redis,
-            self.keys,
-            member,
-            interval_s=self.cluster.heartbeat_s,
-            ttl_s=self.cluster.member_ttl_s,
-            load=self.store.stats,
-            on_reconnect=resync,
+        self.heartbeat = Heartbeat.for_cluster(
+            self.redis, self.cluster, member, load=self.store.stats, on_reconnect=resync
         )
         self.publisher.start()
         await self.heartbeat.beat()
@@ -126,25 +120,13 @@ class KVStoreNode:
 
 
 def create_app(settings: KVStoreSettings, cluster: ClusterConfig) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        node = KVStoreNode(settings, cluster)
-        await node.start()
-        app.state.node = node
-        try:
-            yield
-        finally:
-            await node.stop()
+    async def build() -> KVStoreNode:
+        return KVStoreNode(settings, cluster)
 
-    app = FastAPI(title="Baton KV store", lifespan=lifespan)
+    app = service_app("Baton KV store", build)
 
     def node_of(request: Request) -> KVStoreNode:
-        node: KVStoreNode = request.app.state.node
-        return node
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return component_of(request, KVStoreNode)
 
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:

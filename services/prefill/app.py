@@ -20,6 +20,4 @@ def _routes(app: FastAPI, prefiller: Prefiller) -> None:
 
 
 def create_app(settings: PrefillSettings, baton: BatonSettings) -> FastAPI:
-    app = create_worker_app(Prefiller(settings, baton), "Baton prefill", _routes)
-    app.state.port = settings.port
-    return app
+    return create_worker_app(Prefiller(settings, baton), "Baton prefill", _routes)

@@ -26,7 +26,6 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from prometheus_client import Histogram
 from pydantic import BaseModel
 
 from services.prefill.settings import PrefillSettings
@@ -38,6 +37,7 @@ from shared.engine.scheduler import SchedulerOutput, cdiv
 from shared.errors import InvalidRequestError, KVStoreError, TransportError
 from shared.kv.block_pool import BlockId
 from shared.kvstore.client import PutHandle
+from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import (
     Accepted,
     Committed,
@@ -72,24 +72,17 @@ StepPlan = list[tuple[PrefillJob, list[int], list[BlockId]]]  # per job: transfe
 
 class PrefillMetrics:
     def __init__(self, base: WorkerMetrics):
-        buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
-        self.compute_s = Histogram(
-            "baton_prefill_compute_seconds",
-            "Start of compute to first token",
-            registry=base.registry,
-            buckets=buckets,
+        r = base.registry
+        self.compute_s = latency_histogram(
+            r, "baton_prefill_compute_seconds", "Start of compute to first token"
         )
-        self.queue_s = Histogram(
-            "baton_prefill_queue_seconds",
-            "Arrival to start of compute",
-            registry=base.registry,
-            buckets=buckets,
+        self.queue_s = latency_histogram(
+            r, "baton_prefill_queue_seconds", "Arrival to start of compute"
         )
-        self.exposed_s = Histogram(
+        self.exposed_s = latency_histogram(
+            r,
             "baton_prefill_exposed_transfer_seconds",
             "First token to KV committed in the store (transfer not hidden by compute)",
-            registry=base.registry,
-            buckets=buckets,
         )
 
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.exceptions import RedisError
 
 from shared.cluster.keys import Keys
+from shared.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,27 @@ class Heartbeat:
         self.on_reconnect = on_reconnect
         self.healthy = False
         self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_cluster(
+        cls,
+        redis: aioredis.Redis,
+        cluster: ClusterConfig,
+        member: Member,
+        *,
+        load: Callable[[], dict[str, float]] = dict,
+        on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    ) -> Heartbeat:
+        """The heartbeat with the cluster's key prefix, interval and TTL."""
+        return cls(
+            redis,
+            Keys(cluster.redis_prefix),
+            member,
+            interval_s=cluster.heartbeat_s,
+            ttl_s=cluster.member_ttl_s,
+            load=load,
+            on_reconnect=on_reconnect,
+        )
 
     async def beat(self) -> bool:
         record = self.member.model_copy(update={"load": self.load()})

@@ -22,7 +22,6 @@ from shared.engine.request import (
     FinishReason,
     Request,
     RequestId,
-    RequestStatus,
     SampledToken,
     TokenLogprobs,
 )
@@ -139,21 +138,36 @@ class Engine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        rid = RequestId(request_id)
-        now = time.perf_counter()
-        req = Request(
-            request_id=rid,
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = self._new_request(request_id, prompt_token_ids, params, seed, cache_salt)
+        self.scheduler.add(req)
+        return self._track(req, detokenize=detokenize)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        seed: int,
+        cache_salt: str | None,
+    ) -> Request:
+        return Request(
+            request_id=RequestId(request_id),
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            seed=params.seed if params.seed is not None else secrets.randbits(63),
-            arrival=now,
+            seed=seed,
+            arrival=time.perf_counter(),
             cache_salt=cache_salt,
         )
-        self.scheduler.add(req)
-        if detokenize or params.stop:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
-        self.timings[rid] = RequestTimings(arrival=now)
-        return rid
+
+    def _track(self, req: Request, *, detokenize: bool) -> RequestId:
+        """Detokenizer (also needed for stop strings) and timings of an admitted request."""
+        if detokenize or req.params.stop:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, stop=req.params.stop
+            )
+        self.timings[req.request_id] = RequestTimings(arrival=req.arrival)
+        return req.request_id
 
     def validate(self, prompt_token_ids: Sequence[int], max_tokens: int) -> None:
         """Raise InvalidRequestError (or RequestTooLongError) for a request this engine
@@ -191,28 +205,15 @@ class Engine:
         (taken with :meth:`reserve_blocks`; the request owns them from now on) and
         ``first`` is the token prefill sampled. Outputs start with the second token."""
         self.validate([*prompt_token_ids, first.token_id], params.max_tokens - 1)
-        rid = RequestId(request_id)
-        now = time.perf_counter()
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            seed=seed,
-            arrival=now,
-            cache_salt=cache_salt,
-            status=RequestStatus.WAITING,
-            output_token_ids=[first.token_id],
-            output_logprobs=[first.logprobs] if first.logprobs is not None else [],
-            block_ids=list(block_ids),
-        )
+        req = self._new_request(request_id, prompt_token_ids, params, seed, cache_salt)
+        req.output_token_ids = [first.token_id]
+        req.output_logprobs = [first.logprobs] if first.logprobs is not None else []
+        req.block_ids = list(block_ids)
         try:
             self.scheduler.add_prefilled(req)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        if params.stop:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
-        self.timings[rid] = RequestTimings(arrival=now)
-        return rid
+        return self._track(req, detokenize=False)
 
     # -- KV blocks outside the scheduler (transfers) ---------------------------------
     def reserve_blocks(self, n: int) -> list[BlockId] | None:

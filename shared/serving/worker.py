@@ -8,7 +8,6 @@ FastAPI lifespan) and torn down in reverse order by :meth:`Worker.stop`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
@@ -30,6 +29,7 @@ from shared.engine.engine_loop import EngineLoop
 from shared.engine.model_runner import LayerHook
 from shared.kvstore.client import KVStoreClient
 from shared.logs import request_id_var
+from shared.service import service_app
 from shared.serving.background import Background
 from shared.serving.errors import classify, error_response
 from shared.serving.protocol import REQUEST_ID_HEADER, ErrorEvent, encode_event
@@ -54,12 +54,6 @@ class WorkerSettings(BaseSettings):
 class WorkerMetrics:
     def __init__(self, role: str):
         self.registry = CollectorRegistry()
-        self.step_s = Histogram(
-            "baton_engine_step_seconds",
-            "Duration of one engine step",
-            registry=self.registry,
-            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
-        )
         self.requests = Gauge(
             "baton_requests_in_flight", f"Requests in this {role} instance", registry=self.registry
         )
@@ -115,7 +109,8 @@ class Worker:
         """Published with every heartbeat; the gateway routes on it."""
         return {}
 
-    async def start(self, port: int) -> None:
+    async def start(self) -> None:
+        port = self.settings.port
         engine = await asyncio.to_thread(
             Engine.from_config,
             self.baton.engine_config(),
@@ -134,14 +129,7 @@ class Worker:
             capacity_bytes=engine.kv_cache.num_blocks * engine.layout.block_bytes,
             started_at=time.time(),
         )
-        self.heartbeat = Heartbeat(
-            self.redis,
-            self.keys,
-            member,
-            interval_s=self.cluster.heartbeat_s,
-            ttl_s=self.cluster.member_ttl_s,
-            load=self._load,
-        )
+        self.heartbeat = Heartbeat.for_cluster(self.redis, self.cluster, member, load=self._load)
         await self.heartbeat.beat()
         self.heartbeat.start()
         log.info(
@@ -222,22 +210,12 @@ W = TypeVar("W", bound=Worker)
 
 
 def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None]) -> FastAPI:
-    """The FastAPI app of a worker: lifespan, /health /ready /stats /metrics, then ``routes``."""
+    """The FastAPI app of a worker: /health /ready /stats /metrics, then ``routes``."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await worker.start(app.state.port)
-        try:
-            yield
-        finally:
-            await worker.stop()
+    async def build() -> W:
+        return worker
 
-    app = FastAPI(title=title, lifespan=lifespan)
-    app.state.port = 0
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    app = service_app(title, build)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
