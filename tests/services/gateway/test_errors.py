@@ -150,3 +150,44 @@ def test_api_keys_and_no_live_instances(lonely_gateway: str) -> None:
     assert "prefill" in err["message"]
     ready = httpx.get(url + "/ready", timeout=10)
     assert ready.status_code == 503 and ready.json()["prefill"] == 0
+
+
+@pytest.fixture
+def strict_gateway(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
+    """A second gateway over the same live workers, with tight backpressure bounds."""
+    port = free_port()
+    env = {
+        "BATON_REDIS_URL": cluster.local.redis.url,
+        "BATON_GATEWAY_PORT": str(port),
+        "BATON_GATEWAY_MAX_IN_FLIGHT": "1",
+        "BATON_GATEWAY_MAX_PENDING_PROMPT_TOKENS": "200",
+        **FAST_HEARTBEAT,
+    }
+    url = f"http://127.0.0.1:{port}"
+    proc = ServiceProcess("services.gateway", env, url + "/ready", tmp_path / "gw.log")
+    proc.start().wait_ready(60)
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+def test_backpressure_is_429_with_retry_after(strict_gateway: str) -> None:
+    url = strict_gateway
+    long_prompt = {"model": MODEL, "prompt": [500] * 300, "max_tokens": 2}
+    r = httpx.post(url + COMPLETIONS, json=long_prompt, timeout=30)
+    assert_error(r, 429, "overloaded")
+    assert r.headers["retry-after"] == "1"
+    body = chat(max_tokens=200, ignore_eos=True, stream=True)
+    with httpx.stream("POST", url + CHAT, json=body, timeout=60) as first:
+        assert first.status_code == 200
+        second = httpx.post(url + CHAT, json=chat(max_tokens=2), timeout=30)
+        assert_error(second, 429, "overloaded")
+    # once the first is gone, the gateway takes requests again
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        again = httpx.post(url + CHAT, json=chat(max_tokens=2), timeout=60)
+        if again.status_code == 200:
+            break
+        time.sleep(0.2)
+    assert again.status_code == 200
