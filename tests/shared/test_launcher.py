@@ -1,0 +1,84 @@
+"""``baton up`` as a user runs it: the whole local cluster from one command, its output
+prefixed by instance, an OpenAI API at the printed URL, a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from shared.launcher import Topology, plan
+from shared.procs import free_port
+
+
+def test_baton_up_serves_and_stops_cleanly(cache_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    env |= {"BATON_CACHE_DIR": str(cache_dir), "BATON_KV_CACHE_GB": "0.25"}
+    ports = [free_port() for _ in range(4)]
+    args = [
+        sys.executable, "-m", "shared.cli", "up",
+        "--port", str(ports[0]), "--prefill-port", str(ports[1]),
+        "--decode-port", str(ports[2]), "--kvstore-port", str(ports[3]),
+        "--kvstore-gb", "0.25", "--transport", "tcp",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            lines.append(raw.decode(errors="replace").rstrip())
+            if "cluster up" in lines[-1]:
+                up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert up.wait(180), "\n".join(lines[-30:])
+        url = re.search(r"(http://\S+)/v1", lines[-1])
+        assert url is not None and url.group(1) == f"http://127.0.0.1:{ports[0]}"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 5  # redis-server, kvstore, prefill, decode, gateway
+        r = httpx.post(
+            url.group(1) + "/v1/completions",
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 3},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(c.is_running() for c in children):
+        time.sleep(0.1)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    prefixes = {line.split(" | ", 1)[0] for line in lines if " | " in line}
+    assert {"kvstore-0", "prefill-0", "decode-0", "gateway"} <= prefixes
+    assert any("stopping" in line for line in lines)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_plan_numbers_replicas_and_ports(replicas: int) -> None:
+    specs = plan(Topology(redis_url="redis://r:1/0", prefill=replicas, decode=replicas))
+    names = [s.name for s in specs]
+    assert names.count("gateway") == 1 and names[-1] == "gateway"
+    prefill_ports = [s.http_port for s in specs if s.role == "prefill"]
+    assert prefill_ports == [8100 + i for i in range(replicas)]
+    for spec in specs:
+        assert spec.env["BATON_REDIS_URL"] == "redis://r:1/0"
+        if spec.role in ("prefill", "decode"):
+            assert spec.env[f"BATON_{spec.role.upper()}_PORT"] == str(spec.http_port)
+            assert spec.env[f"BATON_{spec.role.upper()}_ADVERTISE_HOST"] == "127.0.0.1"
