@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per worker")
     up.add_argument("--kvstore-gb", type=float, default=1.0, help="capacity per store node")
+    from shared.bench.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -222,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_model_pull(args)
         if args.command == "up":
             return cmd_up(args)
+        if args.command == "bench":
+            from shared.bench.command import run as run_bench
+
+            return run_bench(args)
         return cmd_generate(args)
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)

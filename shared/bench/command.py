@@ -1,0 +1,137 @@
+"""``baton bench``: arguments -> workload -> runs -> JSON, summary, PNG."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from shared.bench import workload as wl
+from shared.bench.metrics import SLO, summarize
+from shared.bench.report import RunReport, text_summary, write_json, write_png
+from shared.bench.runner import Target, discover_model, run_conversations, run_open_loop
+from shared.errors import InvalidRequestError
+
+WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (ours or another)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument(
+        "--request-rate",
+        default="inf",
+        help="req/s, or a comma list for a sweep (inf = all at once); open loop",
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--trace", type=Path, default=None, help="Azure 2023 trace CSV")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: <1 stretches time")
+    p.add_argument("--token-scale", type=float, default=1.0, help="trace: scales token counts")
+    p.add_argument("--max-input", type=int, default=4096)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--slo", default=None, help="e.g. ttft=2,tpot=0.2,e2e=30 (seconds; or 500ms)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"))
+    p.add_argument("--plot", type=Path, default=None, help="PNG (default: next to --out)")
+    p.add_argument("--label", default="")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"--request-rate: not numbers: {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise InvalidRequestError("--request-rate values must be positive (or inf)")
+    return rates
+
+
+def build_workload(args: argparse.Namespace, rate: float) -> list[wl.RequestSpec]:
+    n = args.num_prompts
+    times = wl.arrivals(n, rate, args.burstiness, np.random.default_rng(args.seed))
+    if args.workload == "trace":
+        if args.trace is None:
+            raise InvalidRequestError("--workload trace needs --trace FILE")
+        rows = wl.load_trace(args.trace)
+        return wl.from_trace(
+            rows,
+            n=n,
+            time_scale=args.time_scale,
+            token_scale=args.token_scale,
+            max_input=args.max_input,
+            max_output=args.max_output,
+            seed=args.seed,
+        )
+    if args.workload == "shared-prefix":
+        return wl.shared_prefix(
+            n, args.prefix_len, args.input_len, args.output_len, times, args.seed
+        )
+    if args.workload == "multi-turn":
+        conversations = max(1, n // args.turns)
+        return wl.multi_turn(
+            conversations, args.turns, args.input_len, args.input_len // 4 or 1,
+            args.output_len, times, args.seed,
+        )  # fmt: skip
+    return wl.synthetic(n, args.input_len, args.output_len, times, args.seed)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    for name in ("num_prompts", "input_len", "output_len", "turns"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    slo = SLO.parse(args.slo) if args.slo else None
+    model = args.model
+    if model is None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            try:
+                model = await discover_model(http, args.url)
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                raise InvalidRequestError(f"cannot list models at {args.url}: {exc}") from exc
+    target = Target(args.url, model, args.api_key)
+    rates = [None] if args.workload == "trace" else _rates(args.request_rate)
+    runs: list[RunReport] = []
+    for rate in rates:
+        specs = build_workload(args, rate if rate is not None else float("inf"))
+        label = args.label or args.workload
+        label = f"{label} rate={rate:g}" if rate is not None else label
+        bar = tqdm(total=len(specs), desc=label, disable=args.no_progress, unit="req")
+        try:
+            if args.workload == "multi-turn":
+                results, duration = await run_conversations(target, specs, bar.update, args.seed)
+            else:
+                results, duration = await run_open_loop(
+                    target, specs, bar.update, args.max_concurrency
+                )
+        finally:
+            bar.close()
+        run = RunReport(label, rate, summarize(results, duration, slo), results)
+        runs.append(run)
+        print(text_summary(run), flush=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config |= {"model": model, "func": None}
+    write_json(args.out, config, runs)
+    plot = args.plot or args.out.with_suffix(".png")
+    write_png(plot, runs, title=f"{model} @ {args.url}")
+    print(f"results: {args.out}  plot: {plot}")
+    return 0 if all(r.summary.completed for r in runs) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    random.seed(args.seed)
+    return asyncio.run(_run(args))

@@ -1,0 +1,157 @@
+"""Sending the workload: open loop (each request at its arrival time), fixed
+concurrency (closed loop), and conversations (a turn waits for the previous one).
+
+One long-lived ``httpx.AsyncClient`` per run. Every request streams from
+``/v1/completions`` with token-id prompts, ``ignore_eos`` and
+``stream_options.include_usage``; a chunk with choices stamps the time. A
+request that fails (status, broken stream, timeout) is recorded with its
+error, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from shared.bench.metrics import RequestResult
+from shared.bench.workload import RequestSpec, synthetic_prompt
+
+Progress = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str  # e.g. http://127.0.0.1:8000 (without /v1)
+    model: str
+    api_key: str | None = None
+    timeout_s: float = 600.0
+
+
+async def discover_model(http: httpx.AsyncClient, base_url: str) -> str:
+    r = await http.get(base_url + "/v1/models")
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+async def send(
+    http: httpx.AsyncClient, target: Target, prompt: Sequence[int], max_tokens: int
+) -> tuple[RequestResult, list[int]]:
+    """One streamed request; returns its timeline and the output token ids when the
+    server reports them (Baton and vLLM do with ``return_token_ids``)."""
+    body = {
+        "model": target.model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens: list[int] = []
+    usage_tokens: int | None = None
+    error: str | None = None
+    try:
+        async with http.stream(
+            "POST", target.base_url + "/v1/completions", json=body, headers=headers
+        ) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+                        break
+                    if chunk.get("choices"):
+                        stamps.append(time.perf_counter())
+                        tokens += chunk["choices"][0].get("token_ids") or []
+                    if chunk.get("usage"):
+                        usage_tokens = int(chunk["usage"]["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    # content chunks plus the final finish-reason chunk (no token); trust usage when given
+    output = usage_tokens if usage_tokens is not None else max(0, len(stamps) - 1)
+    content_stamps = stamps[:output] if output else stamps
+    result = RequestResult(
+        prompt_tokens=len(prompt),
+        output_tokens=output,
+        start=start,
+        chunk_times=tuple(content_stamps),
+        end=time.perf_counter(),
+        error=error,
+    )
+    return result, tokens
+
+
+async def run_open_loop(
+    target: Target, specs: Sequence[RequestSpec], progress: Progress, limit: int | None = None
+) -> tuple[list[RequestResult], float]:
+    """Each request at its arrival offset (``limit`` caps concurrency, None = no cap)."""
+    results: list[RequestResult | None] = [None] * len(specs)
+    gate = asyncio.Semaphore(limit) if limit else None
+    async with _client(target) as http:
+        t0 = time.perf_counter()
+
+        async def one(i: int, spec: RequestSpec) -> None:
+            await asyncio.sleep(max(0.0, spec.arrival - (time.perf_counter() - t0)))
+            if gate is None:
+                results[i], _ = await send(http, target, spec.prompt, spec.max_tokens)
+            else:
+                async with gate:
+                    results[i], _ = await send(http, target, spec.prompt, spec.max_tokens)
+            progress()
+
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+        duration = time.perf_counter() - t0
+    return [r for r in results if r is not None], duration
+
+
+async def run_conversations(
+    target: Target, specs: Sequence[RequestSpec], progress: Progress, seed: int = 0
+) -> tuple[list[RequestResult], float]:
+    """Multi-turn: turn k+1 = turn k's prompt + its answer + new user tokens."""
+    rng = random.Random(seed)
+    by_conv: dict[int, list[RequestSpec]] = defaultdict(list)
+    for s in specs:
+        by_conv[s.conversation if s.conversation is not None else -1].append(s)
+    results: list[RequestResult] = []
+    async with _client(target) as http:
+        t0 = time.perf_counter()
+
+        async def conversation(turns: list[RequestSpec]) -> None:
+            await asyncio.sleep(max(0.0, turns[0].arrival - (time.perf_counter() - t0)))
+            history: list[int] = []
+            for k, turn in enumerate(turns):
+                prompt = list(turn.prompt) if k == 0 else history + list(turn.prompt)
+                result, answer = await send(http, target, prompt, turn.max_tokens)
+                results.append(result)
+                progress()
+                if not result.ok:
+                    return
+                if len(answer) != result.output_tokens:  # server does not return ids
+                    answer = list(synthetic_prompt(result.output_tokens, rng))
+                history = prompt + answer
+
+        await asyncio.gather(*(conversation(t) for t in by_conv.values()))
+        duration = time.perf_counter() - t0
+    return results, duration
+
+
+def _client(target: Target) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(target.timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
