@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per worker")
     up.add_argument("--kvstore-gb", type=float, default=1.0, help="capacity per store node")
+    up.add_argument(
+        "--colocated",
+        action="store_true",
+        help="the baseline: one engine serving both phases (mixed batching) behind the gateway",
+    )
+    up.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin CPUs: prefill on core 0 and decode on core 1, or colocated on cores 0,1",
+    )
     from shared.bench.command import add_parser as add_bench_parser
 
     add_bench_parser(sub)
@@ -182,7 +192,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from shared.model.registry import resolve
 
     settings = _settings(args)
-    for name in ("prefill", "decode", "kvstore", "threads"):
+    if args.colocated:
+        args.prefill, args.decode, args.kvstore = 0, 0, 0
+    for name in ("threads",) if args.colocated else ("prefill", "decode", "kvstore", "threads"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name} must be at least 1")
     resolve(settings.model, settings.cache_dir, progress=True)  # pull once, before the workers
@@ -191,7 +203,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         "decode": args.decode_port,
         "kvstore": args.kvstore_port,
         "kvstore-data": args.kvstore_port + (KVSTORE_DATA_PORT - DEFAULT_PORTS["kvstore"]),
+        "colocated": args.decode_port,
     }
+    cpus = {}
+    if args.pin:
+        cpus = {"colocated": "0,1"} if args.colocated else {"prefill": "0", "decode": "1"}
 
     def ports(role: str, index: int) -> int:
         step = 10 if role.startswith("kvstore") else 1
@@ -211,6 +227,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             threads=args.threads,
             kv_cache_gb=args.kv_cache_gb,
             kvstore_gb=args.kvstore_gb,
+            colocated=1 if args.colocated else 0,
+            cpus=cpus,
             extra_env={"BATON_CACHE_DIR": str(settings.cache_dir)},
         )
 

@@ -28,7 +28,13 @@ ROLE_MODULES = {
     "decode": "services.decode",
     "gateway": "services.gateway",
 }
-DEFAULT_PORTS = {"gateway": 8000, "prefill": 8100, "decode": 8200, "kvstore": 8300}
+DEFAULT_PORTS = {
+    "gateway": 8000,
+    "prefill": 8100,
+    "decode": 8200,
+    "kvstore": 8300,
+    "colocated": 8400,
+}
 KVSTORE_DATA_PORT = 8301
 COMPOSE_REDIS_URL = "redis://redis:6379/0"
 
@@ -42,7 +48,7 @@ class ServiceSpec:
 
     @property
     def module(self) -> str:
-        return ROLE_MODULES[self.role]
+        return ROLE_MODULES["decode" if self.role == "colocated" else self.role]
 
     def command(self, python: str = "python") -> list[str]:
         return [python, "-m", self.module]
@@ -73,6 +79,8 @@ class Topology:
     threads: int | None = 1  # per prefill/decode process
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
+    colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
+    cpus: dict[str, str] = field(default_factory=dict)  # role -> CPU list, e.g. {"prefill": "0"}
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -101,16 +109,23 @@ def plan(topo: Topology) -> list[ServiceSpec]:
         if topo.kvstore_gb:
             env["BATON_KVSTORE_CAPACITY_GB"] = repr(topo.kvstore_gb)
         specs.append(ServiceSpec(f"kvstore-{i}", "kvstore", env, http))
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "colocated"):
         for i in range(getattr(topo, role)):
             port = topo.ports(role, i)
-            env = {**common, f"BATON_{role.upper()}_PORT": str(port), **advertise(role.upper())}
+            prefix = "DECODE" if role == "colocated" else role.upper()
+            env = {**common, f"BATON_{prefix}_PORT": str(port), **advertise(prefix)}
+            if role == "colocated":
+                env["BATON_DECODE_COLOCATED"] = "true"
+            if role in topo.cpus:
+                env["BATON_CPUS"] = topo.cpus[role]
             if topo.threads:
                 env["BATON_NUM_THREADS"] = str(topo.threads)
             if topo.kv_cache_gb:
                 env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)
             specs.append(ServiceSpec(f"{role}-{i}", role, env, port))
     env = {**common, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
+    if topo.colocated:
+        env["BATON_GATEWAY_MODE"] = "colocated"
     specs.append(ServiceSpec("gateway", "gateway", env, topo.gateway_port))
     return specs
 
@@ -158,7 +173,7 @@ class LocalCluster:
         try:
             self.redis.start()
             self.specs = plan(self.topo_for(self.redis.url))
-            stages = [["kvstore"], ["prefill", "decode"], ["gateway"]]
+            stages = [["kvstore"], ["prefill", "decode", "colocated"], ["gateway"]]
             for roles in stages:
                 started = [self._start(s) for s in self.specs if s.role in roles]
                 for proc in started:
@@ -186,7 +201,7 @@ class LocalCluster:
         return self._start(spec).wait_ready(timeout_s)
 
     def stop(self) -> None:
-        order = ["gateway", "decode", "prefill", "kvstore"]
+        order = ["gateway", "colocated", "decode", "prefill", "kvstore"]
         for role in order:
             for spec in self.specs:
                 proc = self.procs.get(spec.name)

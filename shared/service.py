@@ -69,6 +69,13 @@ def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> Non
     """Build the app from the environment and serve it until SIGINT/SIGTERM."""
     level = os.environ.get("BATON_LOG_LEVEL", "info").upper()
     configure_logging(name, level=level, fmt=os.environ.get("BATON_LOG_FORMAT", "json"))
+    cpus = os.environ.get("BATON_CPUS")
+    if cpus:  # pin this process (benchmarks compare deployments on the same cores)
+        try:
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",") if c.strip()})
+        except (ValueError, OSError) as exc:
+            print(f"baton {name}: error: BATON_CPUS={cpus!r}: {exc}", file=sys.stderr)
+            sys.exit(2)
     try:
         app, host, port = build()
     except ValidationError as exc:

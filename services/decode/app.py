@@ -6,11 +6,12 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.decode.colocated import Colocated
 from services.decode.decoder import Decoder
 from services.decode.settings import DecodeSettings
 from shared.config import BatonSettings
 from shared.serving.errors import error_response
-from shared.serving.protocol import DecodeRequest, FirstToken
+from shared.serving.protocol import DecodeRequest, FirstToken, PrefillRequest
 from shared.serving.worker import bind_request_id, create_worker_app, stream_events
 
 
@@ -30,5 +31,14 @@ def _routes(app: FastAPI, decoder: Decoder) -> None:
         return JSONResponse({"status": "ok"})
 
 
+def _colocated_routes(app: FastAPI, worker: Colocated) -> None:
+    @app.post("/v1/generate")
+    async def generate(body: PrefillRequest, request: Request) -> Response:
+        bind_request_id(request)
+        return await stream_events(worker.run(body))
+
+
 def create_app(settings: DecodeSettings, baton: BatonSettings) -> FastAPI:
+    if settings.colocated:
+        return create_worker_app(Colocated(settings, baton), "Baton colocated", _colocated_routes)
     return create_worker_app(Decoder(settings, baton), "Baton decode", _routes)

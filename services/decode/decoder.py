@@ -31,14 +31,13 @@ from pydantic import BaseModel
 from services.decode.settings import DecodeSettings
 from shared.config import BatonSettings
 from shared.engine.engine import Engine
-from shared.engine.request import TokenLogprobs
 from shared.engine.scheduler import cdiv
 from shared.errors import InvalidRequestError, UnknownRequestError
 from shared.kv.block_pool import BlockId
 from shared.serving.errors import ServiceError
 from shared.serving.metrics import latency_histogram
-from shared.serving.protocol import Accepted, DecodeRequest, TokenEvent, WireToken
-from shared.serving.worker import Worker, WorkerMetrics
+from shared.serving.protocol import Accepted, DecodeRequest, WireToken
+from shared.serving.worker import TokenStream, Worker, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -189,29 +188,16 @@ class Decoder(Worker):
             )
             await self.loop.call(self._join(job, first))
             self.decode_metrics.join_wait_s.observe(time.perf_counter() - job.arrival)
-            generated, reason_text = 0, "?"
-            while not finished:
-                out = await outputs.get()
-                if out is None:
-                    raise RuntimeError("the engine stopped")
-                generated = out.num_output_tokens
-                reason_text = out.finish_reason.value if out.finish_reason else "?"
-                lps: list[TokenLogprobs | None] = list(out.new_logprobs)
-                lps += [None] * (len(out.new_token_ids) - len(lps))
-                for i, (tid, lp) in enumerate(zip(out.new_token_ids, lps, strict=True)):
-                    last = out.finished and i == len(out.new_token_ids) - 1
-                    reason = out.finish_reason if last else None
-                    yield TokenEvent(
-                        token=WireToken.of(tid, lp),
-                        finish_reason=reason.value if reason is not None else None,
-                    )
-                finished = out.finished
+            tokens = TokenStream()
+            async for event in tokens.events(outputs):
+                yield event
+            finished = True
             log.info(
                 "decoded %d tokens after a %d-token prompt in %.3fs (%s)",
-                generated,
+                tokens.generated,
                 n,
                 time.perf_counter() - job.arrival,
-                reason_text,
+                tokens.finish_reason,
             )
         finally:
             self.loop.unsubscribe(req.request_id)

@@ -13,3 +13,4 @@ class DecodeSettings(WorkerSettings):
 
     port: int = Field(default=8200, ge=0, le=65535)
     first_token_timeout_s: float = Field(default=300.0, gt=0)
+    colocated: bool = False  # serve whole requests (both phases): the colocated baseline

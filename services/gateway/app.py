@@ -61,7 +61,13 @@ class Gateway:
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        self.handoff = Handoff(self.http, self.router, attempts=settings.connect_attempts)
+        self.handoff = Handoff(
+            self.http,
+            self.router,
+            attempts=settings.connect_attempts,
+            colocated=settings.mode == "colocated",
+        )
+        self.roles = ("colocated",) if settings.mode == "colocated" else ("prefill", "decode")
         self.metrics = GatewayMetrics()
         self.in_flight = 0
 
@@ -176,12 +182,13 @@ class Gateway:
             raise ServiceError(
                 429, "too many requests in flight; retry later", code="overloaded", headers=retry
             )
-        for role in ("prefill", "decode"):
+        for role in self.roles:
             if not self.router.live(role):
                 raise ServiceError(
                     503, f"no live {role} instance is available", code="no_live_instance"
                 )
-        pending = [self.router.score(m, "prefill") for m in self.router.live("prefill")]
+        first_role = self.roles[0]
+        pending = [self.router.score(m, first_role) for m in self.router.live(first_role)]
         if min(pending) + len(prepared.prompt) > self.settings.max_pending_prompt_tokens:
             raise ServiceError(
                 429, "prefill queues are full; retry later", code="overloaded", headers=retry
@@ -400,7 +407,7 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         gw = gateway(request)
-        live = {role: len(gw.router.live(role)) for role in ("prefill", "decode")}
+        live = {role: len(gw.router.live(role)) for role in gw.roles}
         up = all(live.values())
         body = {"status": "ready" if up else "waiting", "redis": gw.router.redis_ok, **live}
         return JSONResponse(body, status_code=200 if up else 503)

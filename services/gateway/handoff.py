@@ -121,10 +121,13 @@ async def open_stream(
 
 
 class Handoff:
-    def __init__(self, http: httpx.AsyncClient, router: Router, *, attempts: int):
+    def __init__(
+        self, http: httpx.AsyncClient, router: Router, *, attempts: int, colocated: bool = False
+    ):
         self.http = http
         self.router = router
         self.attempts = attempts
+        self.colocated = colocated
         self.background = Background()
 
     async def _open(
@@ -227,6 +230,10 @@ class Handoff:
     ) -> AsyncGenerator[Generated, None]:
         """Tokens of one request. A prefill instance lost before the first token (nothing
         was sent to the client yet) is benched and the request starts over elsewhere."""
+        if self.colocated:
+            async for gen in self._generate_colocated(request_id, prompt, sampling, cache_salt):
+                yield gen
+            return
         attempt = 0
         while True:
             worker_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
@@ -259,6 +266,35 @@ class Handoff:
                     return
         finally:
             self._release(started, request_id)
+
+    async def _generate_colocated(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        cache_salt: str | None,
+    ) -> AsyncGenerator[Generated, None]:
+        """The baseline: the whole request on one engine that does both phases."""
+        body = PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            cache_salt=cache_salt,
+        )
+        pick, stream, _ = await self._open(
+            "colocated", "/v1/generate", body.model_dump_json(), request_id, len(prompt)
+        )
+        try:
+            while True:
+                event = await stream.next()
+                if not isinstance(event, TokenEvent):
+                    raise ServiceError(502, f"colocated sent {event.event} instead of a token")
+                yield Generated(event.token, event.finish_reason)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            pick.done()
+            self.background.spawn(stream.aclose(), f"close:{request_id}")
 
     async def _close(
         self, prefill: WorkerStream, decode: WorkerStream | None, drain: asyncio.Task[None] | None

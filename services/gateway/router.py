@@ -31,8 +31,9 @@ from shared.cluster.membership import Member, live_members
 from shared.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
-LOAD_KEYS = {"prefill": "pending_tokens", "decode": "running"}  # what JSQ counts per role
+ROLES = ("prefill", "decode", "colocated")
+# what JSQ counts per role
+LOAD_KEYS = {"prefill": "pending_tokens", "decode": "running", "colocated": "pending_tokens"}
 BENCH_S = 5.0
 
 
@@ -129,6 +130,10 @@ class Router:
 
     def queue_depths(self) -> dict[str, float]:
         out = {}
-        for role, key in (("prefill", "pending_tokens"), ("decode", "waiting_kv")):
+        for role, key in (
+            ("prefill", "pending_tokens"),
+            ("decode", "waiting_kv"),
+            ("colocated", "pending_tokens"),
+        ):
             out[role] = sum(m.load.get(key, 0.0) for m in self.members[role])
         return out

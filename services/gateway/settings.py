@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -11,6 +11,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATON_GATEWAY_", extra="ignore")
 
+    # disaggregated: prefill + decode instances; colocated: whole requests to one engine
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     # comma-separated; empty = no authentication

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -24,15 +25,22 @@ from pydantic_settings import BaseSettings
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, RequestOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.engine.model_runner import LayerHook
+from shared.engine.request import TokenLogprobs
 from shared.kvstore.client import KVStoreClient
 from shared.logs import request_id_var
 from shared.service import service_app
 from shared.serving.background import Background
 from shared.serving.errors import classify, error_response
-from shared.serving.protocol import REQUEST_ID_HEADER, ErrorEvent, encode_event
+from shared.serving.protocol import (
+    REQUEST_ID_HEADER,
+    ErrorEvent,
+    TokenEvent,
+    WireToken,
+    encode_event,
+)
 from shared.transport import make_transport
 
 log = logging.getLogger(__name__)
@@ -174,6 +182,34 @@ class Worker:
             "cleanups": float(len(self.background)),
             "running": float(len(self.engine.scheduler.running)),
         }
+
+
+@dataclass
+class TokenStream:
+    """Turns a request's engine outputs into ``token`` events; remembers how it ended."""
+
+    generated: int = 0
+    finish_reason: str | None = None
+
+    async def events(
+        self, outputs: asyncio.Queue[RequestOutput | None]
+    ) -> AsyncIterator[TokenEvent]:
+        while self.finish_reason is None:
+            out = await outputs.get()
+            if out is None:
+                raise RuntimeError("the engine stopped")
+            self.generated = out.num_output_tokens
+            lps: list[TokenLogprobs | None] = list(out.new_logprobs)
+            lps += [None] * (len(out.new_token_ids) - len(lps))
+            for i, (tid, lp) in enumerate(zip(out.new_token_ids, lps, strict=True)):
+                last = out.finished and i == len(out.new_token_ids) - 1
+                reason = out.finish_reason if last else None
+                yield TokenEvent(
+                    token=WireToken.of(tid, lp),
+                    finish_reason=reason.value if reason is not None else None,
+                )
+            if out.finished:
+                self.finish_reason = out.finish_reason.value if out.finish_reason else "abort"
 
 
 def bind_request_id(request: Request) -> str | None:

@@ -52,13 +52,21 @@ class Cluster:
 
 
 def start_cluster(
-    tmp: Path, *, prefill: int, decode: int, kv_cache_gb: float = 0.25, **env: str
+    tmp: Path,
+    *,
+    prefill: int,
+    decode: int,
+    colocated: int = 0,
+    kv_cache_gb: float = 0.25,
+    **env: str,
 ) -> LocalCluster:
     def topology(redis_url: str) -> Topology:
         return Topology(
             redis_url=redis_url,
             prefill=prefill,
             decode=decode,
+            colocated=colocated,
+            kvstore=0 if colocated else 1,
             gateway_port=free_port(),
             ports=free_ports,
             transport="ucx",
