@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -125,6 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty")
     config: EngineConfig = settings.engine_config()
+    config = replace(config, cache=replace(config.cache, prefault=False))  # one shot
     t0 = time.perf_counter()
     engine = Engine.from_config(config, cache_dir=settings.cache_dir, progress=not args.json)
     load_s = time.perf_counter() - t0

@@ -90,6 +90,8 @@ class Engine:
         self.kv_cache = KVCache.for_memory(
             self.layout, config.cache.kv_cache_bytes, loaded.model.device
         )
+        if config.cache.prefault:
+            self.kv_cache.prefault()
         self.block_pool = BlockPool(
             self.kv_cache.num_blocks, enable_caching=config.cache.enable_prefix_caching
         )

@@ -11,7 +11,14 @@ from shared.engine.request import RequestId, SampledToken
 from shared.engine.sampler import SamplingRow, sample
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.kv.kv_cache import KVCache
-from shared.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, SlotRun
+from shared.model.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    DecodeGroup,
+    PrefillSegment,
+    SlotRun,
+    group_by_width,
+)
 from shared.model.llama import LlamaModel
 
 LayerHook = Callable[[int, SchedulerOutput], None]
@@ -40,9 +47,26 @@ def prefill_runs(
     return runs
 
 
+def decode_groups(
+    decodes: Sequence[ScheduledRequest], ctx: Sequence[int], block_size: int, device: str
+) -> tuple[DecodeGroup, ...]:
+    widths = [-(-c // block_size) for c in ctx]
+    groups, start = [], 0
+    for end in group_by_width(widths):
+        tables = [s.request.block_ids for s in decodes[start:end]]
+        batch = DecodeBatch.build(tables, ctx[start:end], block_size, device)
+        groups.append(DecodeGroup(start, end, batch))
+        start = end
+    return tuple(groups)
+
+
 def build_input(step: SchedulerOutput, block_size: int, device: str) -> ModelInput:
     """Flatten a step: decode rows first (one token each), then each prefill segment."""
-    decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
+    # decode rows sorted by context length, so that rows of similar length share a group
+    decodes = sorted(
+        (s for s in step.scheduled if s.num_new_tokens == 1),
+        key=lambda s: s.request.num_computed_tokens,
+    )
     prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
     ids: list[int] = []
     positions: list[int] = []
@@ -75,9 +99,7 @@ def build_input(step: SchedulerOutput, block_size: int, device: str) -> ModelInp
         ),
         slot_runs=tuple(runs),
         num_decodes=len(decodes),
-        decode=DecodeBatch.build([s.request.block_ids for s in decodes], ctx, block_size, device)
-        if decodes
-        else None,
+        decode=decode_groups(decodes, ctx, block_size, device),
         prefills=tuple(segments),
     )
     return ModelInput(

@@ -23,6 +23,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+PAGE_BYTES = 4096
+
+
 class KVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu"):
         if num_blocks < 1:
@@ -34,6 +37,14 @@ class KVCache:
     @classmethod
     def for_memory(cls, layout: KVLayout, nbytes: int, device: str = "cpu") -> KVCache:
         return cls(layout, max(1, nbytes // layout.block_bytes), device)
+
+    def prefault(self) -> None:
+        """Make every page of the pool resident now (one byte written per page), so no
+        step or incoming transfer pays first-touch page faults later."""
+        if self.pool.device.type != "cpu":
+            return
+        flat = self.pool.view(-1).view(torch.uint8)
+        flat[::PAGE_BYTES].zero_()
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``idx``'s K and V."""

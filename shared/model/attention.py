@@ -86,6 +86,31 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows ``[start, end)`` (sorted by context length) padded to one width."""
+
+    start: int
+    end: int
+    batch: DecodeBatch
+
+
+def group_by_width(widths: Sequence[int], *, ratio: float = 2.0, slack: int = 8) -> list[int]:
+    """Split ascending block-table widths into runs whose padding stays bounded: a row
+    starts a new group when it is over ``ratio`` times (and ``slack`` blocks more than)
+    its group's narrowest row. Returns each group's end index. One long context then
+    no longer pads every short row of the batch to its width."""
+    ends: list[int] = []
+    first = 0
+    for i, w in enumerate(widths):
+        if i > first and w > ratio * widths[first] and w - widths[first] > slack:
+            ends.append(i)
+            first = i
+    if widths:
+        ends.append(len(widths))
+    return ends
+
+
+@dataclass(frozen=True)
 class PrefillSegment:
     """Rows ``[start, end)`` are the newest tokens of a sequence whose KV spans ``context_len``."""
 
@@ -115,7 +140,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_decodes] offset inside that block
     slot_runs: tuple[SlotRun, ...]  # where the prefill rows' K/V go, one slice copy per run
     num_decodes: int
-    decode: DecodeBatch | None
+    decode: tuple[DecodeGroup, ...]  # decode rows in groups of similar context length
     prefills: tuple[PrefillSegment, ...]
 
 
@@ -214,9 +239,8 @@ def paged_attention(
     """``q``: ``[N, heads, head_dim]``, ``k``/``v``: ``[N, kv_heads, head_dim]`` (already
     written to the pools ``[blocks, block_size, kv_heads, head_dim]``)."""
     out = torch.empty_like(q)
-    b = meta.num_decodes
-    if meta.decode is not None:
-        out[:b] = _decode(q[:b], k_pool, v_pool, meta.decode, scale, ws)
+    for g in meta.decode:
+        out[g.start : g.end] = _decode(q[g.start : g.end], k_pool, v_pool, g.batch, scale, ws)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale)

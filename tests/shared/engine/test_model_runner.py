@@ -55,9 +55,20 @@ def test_build_input_orders_decodes_first_and_samples_finished_prompts() -> None
     m = inp.meta
     assert m.num_decodes == 1
     assert (m.slot_blocks.tolist(), m.slot_offsets.tolist()) == ([2], [0])
-    assert m.decode is not None and m.decode.block_ids.tolist() == [1, 2]
-    assert m.decode.mask.tolist() == [[[False] * 5 + [True] * 3]]
+    (group,) = m.decode
+    assert (group.start, group.end) == (0, 1)
+    assert group.batch.block_ids.tolist() == [1, 2]
+    assert group.batch.mask.tolist() == [[[False] * 5 + [True] * 3]]
     assert [(s.start, s.end, s.context_len) for s in m.prefills] == [(1, 7, 6), (7, 12, 5)]
     assert torch.equal(m.prefills[1].block_table, torch.tensor([5, 6]))
     assert inp.logits_rows.tolist() == [0, 6]  # decode row and the finished prompt's last row
     assert [s.request for s in inp.sampled] == [decode, prefill_done]
+
+
+def test_decode_rows_group_by_context_width() -> None:
+    from shared.model.attention import group_by_width
+
+    assert group_by_width([]) == []
+    assert group_by_width([3, 3, 4, 5]) == [4]  # similar lengths: one group
+    assert group_by_width([2, 3, 40, 41, 96]) == [2, 4, 5]  # long contexts apart
+    assert group_by_width([1, 2, 3, 9]) == [4]  # small absolute difference: keep together

@@ -37,7 +37,7 @@ def prefill_logits(
         slot_offsets=torch.empty(0, dtype=torch.long),
         slot_runs=tuple(prefill_runs(0, start, len(ids), blocks, BLOCK)),
         num_decodes=0,
-        decode=None,
+        decode=(),
         prefills=(PrefillSegment(0, n, torch.tensor(blocks[: -(-len(ids) // BLOCK)]), len(ids)),),
     )
     return loaded.model.forward(torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n))
