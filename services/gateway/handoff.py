@@ -165,35 +165,17 @@ class Handoff:
             return pick, stream, first
         raise ServiceError(503, f"no {role} instance could be reached", code="no_live_instance")
 
-    async def _start(
-        self,
-        request_id: str,
-        worker_id: str,
-        prompt: list[int],
-        sampling: SamplingSpec,
-        cache_salt: str | None,
-    ) -> Started:
+    async def _start(self, request_id: str, prefill_body: PrefillRequest) -> Started:
         """Open prefill, then decode (it pulls while prefill computes), and wait for the
         first token. On failure, whatever was opened is closed (the work cancelled)."""
-        prefill_body = PrefillRequest(
-            request_id=worker_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            cache_salt=cache_salt,
-        )
+        prompt, sampling = prefill_body.prompt_token_ids, prefill_body.sampling
         prefill_pick, prefill, accepted = await self._open(
             "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt)
         )
         started = Started(prefill_pick, prefill)
         try:
             if sampling.max_tokens > 1:
-                body = DecodeRequest(
-                    request_id=worker_id,
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    cache_salt=cache_salt,
-                    kv_ids=accepted.kv_ids,
-                )
+                body = DecodeRequest(**prefill_body.model_dump(), kv_ids=accepted.kv_ids)
                 # once accepted, decode reserves KV pool space and pulls from the store
                 started.decode_pick, started.decode, _ = await self._open(
                     "decode", "/v1/decode", body.model_dump_json(), request_id, 1
@@ -230,15 +212,23 @@ class Handoff:
     ) -> AsyncGenerator[Generated, None]:
         """Tokens of one request. A prefill instance lost before the first token (nothing
         was sent to the client yet) is benched and the request starts over elsewhere."""
+        body = PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            cache_salt=cache_salt,
+        )
         if self.colocated:
-            async for gen in self._generate_colocated(request_id, prompt, sampling, cache_salt):
+            async for gen in self._generate_colocated(body):
                 yield gen
             return
         attempt = 0
         while True:
             worker_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
             try:
-                started = await self._start(request_id, worker_id, prompt, sampling, cache_salt)
+                started = await self._start(
+                    request_id, body.model_copy(update={"request_id": worker_id})
+                )
                 break
             except ServiceError as exc:
                 lost = exc.code == LOST and exc.who == "prefill"
@@ -257,44 +247,23 @@ class Handoff:
                 return
             await self._send_first(started.decode_pick, worker_id, first.token)
             yield Generated(first.token, None)
-            while True:
-                event = await decode.next()
-                if not isinstance(event, TokenEvent):
-                    raise ServiceError(502, f"decode sent {event.event} instead of a token")
-                yield Generated(event.token, event.finish_reason)
-                if event.finish_reason is not None:
-                    return
+            async for gen in _tokens(decode):
+                yield gen
         finally:
             self._release(started, request_id)
 
-    async def _generate_colocated(
-        self,
-        request_id: str,
-        prompt: list[int],
-        sampling: SamplingSpec,
-        cache_salt: str | None,
-    ) -> AsyncGenerator[Generated, None]:
+    async def _generate_colocated(self, body: PrefillRequest) -> AsyncGenerator[Generated, None]:
         """The baseline: the whole request on one engine that does both phases."""
-        body = PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            cache_salt=cache_salt,
-        )
+        rid = body.request_id
         pick, stream, _ = await self._open(
-            "colocated", "/v1/generate", body.model_dump_json(), request_id, len(prompt)
+            "colocated", "/v1/generate", body.model_dump_json(), rid, len(body.prompt_token_ids)
         )
         try:
-            while True:
-                event = await stream.next()
-                if not isinstance(event, TokenEvent):
-                    raise ServiceError(502, f"colocated sent {event.event} instead of a token")
-                yield Generated(event.token, event.finish_reason)
-                if event.finish_reason is not None:
-                    return
+            async for gen in _tokens(stream):
+                yield gen
         finally:
             pick.done()
-            self.background.spawn(stream.aclose(), f"close:{request_id}")
+            self.background.spawn(stream.aclose(), f"close:{rid}")
 
     async def _close(
         self, prefill: WorkerStream, decode: WorkerStream | None, drain: asyncio.Task[None] | None
@@ -332,3 +301,14 @@ class Handoff:
                 await prefill.next()
         finally:
             await prefill.aclose()
+
+
+async def _tokens(stream: WorkerStream) -> AsyncGenerator[Generated, None]:
+    """``token`` events until the one that carries the finish reason."""
+    while True:
+        event = await stream.next()
+        if not isinstance(event, TokenEvent):
+            raise ServiceError(502, f"{stream.who} sent {event.event} instead of a token")
+        yield Generated(event.token, event.finish_reason)
+        if event.finish_reason is not None:
+            return

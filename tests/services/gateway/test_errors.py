@@ -127,8 +127,13 @@ def lonely_gateway(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
         "BATON_LOG_LEVEL": "warning",
         **FAST_HEARTBEAT,
     }
+    yield from run_gateway(env, port, tmp_path, ready="/health")
+
+
+def run_gateway(env: dict[str, str], port: int, tmp_path: Path, *, ready: str) -> Iterator[str]:
+    """A gateway process with ``env``, up until the generator is closed."""
     url = f"http://127.0.0.1:{port}"
-    proc = ServiceProcess("services.gateway", env, url + "/health", tmp_path / "gw.log")
+    proc = ServiceProcess("services.gateway", env, url + ready, tmp_path / "gw.log")
     proc.start().wait_ready(60)
     try:
         yield url
@@ -163,13 +168,7 @@ def strict_gateway(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
         "BATON_GATEWAY_MAX_PENDING_PROMPT_TOKENS": "200",
         **FAST_HEARTBEAT,
     }
-    url = f"http://127.0.0.1:{port}"
-    proc = ServiceProcess("services.gateway", env, url + "/ready", tmp_path / "gw.log")
-    proc.start().wait_ready(60)
-    try:
-        yield url
-    finally:
-        proc.stop()
+    yield from run_gateway(env, port, tmp_path, ready="/ready")
 
 
 def test_backpressure_is_429_with_retry_after(strict_gateway: str) -> None:
