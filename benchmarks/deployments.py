@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 from collections.abc import Callable
@@ -41,7 +42,9 @@ MODEL = "SmolLM2-135M-Instruct"
 TRACE = Path(__file__).resolve().parents[2] / "shared/workloads/azure-2023"
 
 
-def topology(colocated: bool, transport: str) -> Callable[[str], Topology]:
+def topology(colocated: bool, transport: str, support: str | None) -> Callable[[str], Topology]:
+    support_cpus = {"kvstore": support, "gateway": support} if support else {}
+
     def make(redis_url: str) -> Topology:
         base = Topology(
             redis_url=redis_url,
@@ -51,13 +54,13 @@ def topology(colocated: bool, transport: str) -> Callable[[str], Topology]:
             threads=1,
             kv_cache_gb=1.0,
             kvstore_gb=1.0,
-            cpus={"prefill": "0", "decode": "1"},
+            cpus={"prefill": "0", "decode": "1", **support_cpus},
             extra_env={"BATON_LOG_LEVEL": "warning"},
         )
         if colocated:
             return replace(
                 base, prefill=0, decode=0, kvstore=0, colocated=1, threads=2,
-                cpus={"colocated": "0,1"},
+                cpus={"colocated": "0,1", **support_cpus},
             )  # fmt: skip
         return base
 
@@ -95,6 +98,11 @@ def main() -> None:
     ap.add_argument("--transport", default="ucx")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--support-cpus",
+        default=None,
+        help="pin the KV store, the gateway and this load generator, e.g. 0",
+    )
     # interference
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--short-rate", type=float, default=1.0)
@@ -129,12 +137,16 @@ def main() -> None:
             seed=args.seed,
         )
     random.seed(args.seed)
+    if args.support_cpus:  # the load generator is support work too
+        os.sched_setaffinity(0, {int(c) for c in args.support_cpus.split(",")})
     runs: list[RunReport] = []
     extra: dict[str, dict[str, object]] = {}
     for name in args.deployments.split(","):
         colocated = name == "colocated"
         logs = Path(tempfile.mkdtemp(prefix=f"baton-{name}-"))
-        cluster = LocalCluster(topology(colocated, args.transport), log_dir=logs).start()
+        cluster = LocalCluster(
+            topology(colocated, args.transport, args.support_cpus), log_dir=logs
+        ).start()
         try:
             # warm-up: first-touch page faults, connections
             asyncio.run(run_one(cluster.gateway_url, wl.synthetic(2, 64, 4, [0.0, 0.0])))

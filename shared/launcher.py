@@ -108,6 +108,8 @@ def plan(topo: Topology) -> list[ServiceSpec]:
         }
         if topo.kvstore_gb:
             env["BATON_KVSTORE_CAPACITY_GB"] = repr(topo.kvstore_gb)
+        if "kvstore" in topo.cpus:
+            env["BATON_CPUS"] = topo.cpus["kvstore"]
         specs.append(ServiceSpec(f"kvstore-{i}", "kvstore", env, http))
     for role in ("prefill", "decode", "colocated"):
         for i in range(getattr(topo, role)):
@@ -126,6 +128,8 @@ def plan(topo: Topology) -> list[ServiceSpec]:
     env = {**common, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
     if topo.colocated:
         env["BATON_GATEWAY_MODE"] = "colocated"
+    if "gateway" in topo.cpus:
+        env["BATON_CPUS"] = topo.cpus["gateway"]
     specs.append(ServiceSpec("gateway", "gateway", env, topo.gateway_port))
     return specs
 
