@@ -2,8 +2,9 @@
 
 Starts a local cluster (redis-server, one KV store, one prefill, one decode,
 the gateway; 1 torch thread per worker) and, in this process, the same engine
-with 1 thread. For each prompt length it alternates the two, request by
-request, on identical prompts (random token ids of exact length, greedy,
+with 1 thread. The cluster is driven through ``baton bench``'s own request path
+(so this is also the stack-overhead measurement of the bench issue). For each
+prompt length it alternates the two, request by request, on identical prompts (random token ids of exact length, greedy,
 ``ignore_eos``), and reports medians of:
 
 - TTFT (first streamed token) and TPOT ((E2E - TTFT) / (tokens - 1)), and
@@ -21,6 +22,7 @@ request, on identical prompts (random token ids of exact length, greedy,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import random
@@ -34,6 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from shared.bench.runner import Target, send
 from shared.config import CacheConfig, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
@@ -70,23 +73,24 @@ def run_in_process(engine: Engine, prompt: list[int], max_tokens: int) -> Sample
     return timeline_sample(t0, stamps)
 
 
-def run_disaggregated(url: str, client: httpx.Client, prompt: list[int], max_tokens: int) -> Sample:
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    stamps = []
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {") and '"text"' in line and '"finish_reason":null' in line:
-                stamps.append(time.perf_counter())
-    return timeline_sample(t0, stamps)
+class BenchClient:
+    """``baton bench``'s own request path (shared.bench.runner.send), driven one request
+    at a time from this synchronous loop."""
+
+    def __init__(self, url: str):
+        self.target = Target(url, MODEL)
+        self.runner = asyncio.Runner()
+        self.http = httpx.AsyncClient(timeout=600)
+
+    def run(self, prompt: list[int], max_tokens: int) -> Sample:
+        result, _ = self.runner.run(send(self.http, self.target, prompt, max_tokens))
+        if not result.ok:
+            raise RuntimeError(f"request failed: {result.error}")
+        return timeline_sample(result.start, list(result.chunk_times))
+
+    def close(self) -> None:
+        self.runner.run(self.http.aclose())
+        self.runner.close()
 
 
 def histogram_sums(url: str) -> dict[str, float]:
@@ -135,10 +139,11 @@ def main() -> None:
     )
     results = []
     try:
-        with httpx.Client(timeout=600) as client:
+        client = BenchClient(cluster.gateway_url)
+        try:
             # warm both paths (first-touch page faults, UCX wire-up)
             warm = [rng.randrange(100, 49000) for _ in range(64)]
-            run_disaggregated(cluster.gateway_url, client, warm, 4)
+            client.run(warm, 4)
             run_in_process(engine, warm, 4)
             for length in args.lengths:
                 local: list[Sample] = []
@@ -146,9 +151,7 @@ def main() -> None:
                 before = histogram_sums(prefill_url)
                 for _ in range(args.repeats):
                     prompt = [rng.randrange(100, 49000) for _ in range(length)]
-                    disagg.append(
-                        run_disaggregated(cluster.gateway_url, client, prompt, args.max_tokens)
-                    )
+                    disagg.append(client.run(prompt, args.max_tokens))
                     local.append(run_in_process(engine, prompt, args.max_tokens))
                 after = histogram_sums(prefill_url)
                 compute = after["compute"] - before["compute"]
@@ -182,6 +185,8 @@ def main() -> None:
                     f"of prefill  handoff gap {row['handoff_gap_s'] * 1e3:.1f} ms",
                     flush=True,
                 )
+        finally:
+            client.close()
     finally:
         cluster.stop()
     if args.out:
