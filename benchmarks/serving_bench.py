@@ -4,8 +4,8 @@ Starts a local cluster (redis-server, one KV store, one prefill, one decode,
 the gateway; 1 torch thread per worker) and, in this process, the same engine
 with 1 thread. The cluster is driven through ``baton bench``'s own request path
 (so this is also the stack-overhead measurement of the bench issue). For each
-prompt length it alternates the two, request by request, on identical prompts (random token ids of exact length, greedy,
-``ignore_eos``), and reports medians of:
+prompt length it alternates the two, request by request, on identical prompts
+(random token ids of exact length, greedy, ``ignore_eos``), and reports medians of:
 
 - TTFT (first streamed token) and TPOT ((E2E - TTFT) / (tokens - 1)), and
   their ratios disaggregated / in-process (target <= 1.10);
