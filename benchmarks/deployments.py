@@ -24,11 +24,13 @@ import asyncio
 import json
 import os
 import random
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from shared.bench import workload as wl
@@ -91,6 +93,19 @@ async def run_one(url: str, specs: list[wl.RequestSpec]) -> tuple[list[RequestRe
     return await run_open_loop(Target(url, MODEL), specs, lambda: None)
 
 
+def decode_step_buckets(cluster: LocalCluster) -> dict[str, float]:
+    """Cumulative counts of the token-phase engine's step durations (its /metrics), to
+    tell stalls inside the engine from stalls on the way to the client."""
+    spec = next(s for s in cluster.specs if s.role in ("decode", "colocated"))
+    text = httpx.get(f"http://127.0.0.1:{spec.http_port}/metrics", timeout=10).text
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^baton_engine_step_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M
+        )
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("experiment", choices=["interference", "trace"])
@@ -151,6 +166,7 @@ def main() -> None:
             # warm-up: first-touch page faults, connections
             asyncio.run(run_one(cluster.gateway_url, wl.synthetic(2, 64, 4, [0.0, 0.0])))
             results, duration = asyncio.run(run_one(cluster.gateway_url, specs))
+            steps = decode_step_buckets(cluster)
         finally:
             cluster.stop()
         focus = (
@@ -161,6 +177,7 @@ def main() -> None:
         itl = Distribution.of([g for r in focus for g in r.itls])
         extra[name] = {
             "itl_p99_over_p50": itl.p99 / itl.median if itl.count else None,
+            "decode_engine_steps_by_duration": steps,
             "all_requests": summarize(results, duration, slo).as_dict(),
         }
         print(text_summary(run))

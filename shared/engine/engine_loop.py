@@ -37,9 +37,16 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, *, on_layer: LayerHook | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        on_layer: LayerHook | None = None,
+        on_step: Callable[[float, int], None] | None = None,
+    ):
         self.engine = engine
         self.on_layer = on_layer
+        self.on_step = on_step  # (seconds, tokens computed), on the engine thread
         self.stats = LoopStats()
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | None]] = {}
@@ -160,6 +167,8 @@ class EngineLoop:
             self.stats.steps += 1
             self.stats.busy_s += dt
             self.stats.last_step_s = dt
+            if self.on_step is not None:
+                self.on_step(dt, self.engine.last_step_tokens)
         self._notify()
         if outputs:
             self._require_loop().call_soon_threadsafe(self._deliver, outputs)

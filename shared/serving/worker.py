@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
@@ -34,6 +34,7 @@ from shared.logs import request_id_var
 from shared.service import service_app
 from shared.serving.background import Background
 from shared.serving.errors import classify, error_response
+from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import (
     REQUEST_ID_HEADER,
     ErrorEvent,
@@ -68,6 +69,16 @@ class WorkerMetrics:
         self.kv_usage = Gauge(
             "baton_kv_pool_usage", "Share of KV pool blocks in use", registry=self.registry
         )
+        self.step_s = latency_histogram(
+            self.registry, "baton_engine_step_seconds", "Duration of one engine step"
+        )
+        self.step_tokens = Counter(
+            "baton_engine_step_tokens", "Tokens computed by engine steps", registry=self.registry
+        )
+
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        self.step_s.observe(seconds)
+        self.step_tokens.inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -125,7 +136,9 @@ class Worker:
             cache_dir=self.baton.cache_dir,
             progress=False,
         )
-        self._loop = EngineLoop(engine, on_layer=self.layer_hook())
+        self._loop = EngineLoop(
+            engine, on_layer=self.layer_hook(), on_step=self.metrics.observe_step
+        )
         self._loop.start()
         member = Member(
             instance_id=self.instance_id,

@@ -276,3 +276,8 @@ def test_request_id_follows_the_request_and_metrics_count_it(cluster: Cluster) -
         assert count is not None and float(count.group(1)) > 0, name
     assert re.search(r'^baton_live_instances\{role="decode"\} 2.0$', metrics, re.M)
     assert re.search(r'^baton_queue_depth\{role="prefill"\} ', metrics, re.M)
+    for spec in cluster.local.specs:
+        if spec.role in ("prefill", "decode"):
+            worker = httpx.get(f"http://127.0.0.1:{spec.http_port}/metrics", timeout=10).text
+            steps = re.search(r"^baton_engine_step_seconds_count (\S+)$", worker, re.M)
+            assert steps is not None, spec.name  # every worker exports its step times
