@@ -81,9 +81,6 @@ class SamplingFields(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def num_logprobs(self) -> int | None:
-        raise NotImplementedError
-
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
