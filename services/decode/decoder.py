@@ -94,7 +94,6 @@ class Decoder(Worker):
     def _admit(self) -> None:
         """Give queued requests their blocks, in arrival order, while memory allows."""
         engine = self.engine
-        aio = self.loop._require_loop()
         while self._pending:
             job = self._pending[0]
             blocks = engine.reserve_blocks(job.num_blocks)
@@ -102,7 +101,7 @@ class Decoder(Worker):
                 return
             self._pending.popleft()
             job.blocks = blocks
-            aio.call_soon_threadsafe(_settle, job.reserved, blocks)
+            self.loop.to_event_loop(_settle, job.reserved, blocks)
 
     def _release(self, job: DecodeJob) -> None:
         """Cancelled: leave the queue, give back blocks not yet handed to the engine, or

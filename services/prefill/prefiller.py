@@ -108,7 +108,7 @@ class Prefiller(Worker):
         if layer == 0:
             self._plan = self._plan_step(step)
         if self._plan:
-            self.loop._require_loop().call_soon_threadsafe(self._dispatch, layer, self._plan)
+            self.loop.to_event_loop(self._dispatch, layer, self._plan)
 
     def _plan_step(self, step: SchedulerOutput) -> StepPlan:
         engine = self.engine

@@ -124,6 +124,10 @@ class EngineLoop:
         admissions waiting for free blocks)."""
         self._watchers.append(fn)
 
+    def to_event_loop(self, fn: Callable[..., object], *args: object) -> None:
+        """From the engine thread: run ``fn(*args)`` on the event loop (thread-safe)."""
+        self._require_loop().call_soon_threadsafe(fn, *args)
+
     def _require_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise RuntimeError("EngineLoop.start() was not called")
