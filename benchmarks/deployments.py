@@ -6,10 +6,12 @@ threads, mixed batching (chunked prefill shares steps with running decodes).
 
 Experiments (each runs on both deployments, one after the other):
 
-- ``interference``: a steady Poisson stream of short decode-heavy requests while
-  long-prompt requests arrive every few seconds; reports ITL and TPOT of the short
-  requests (p50, p99) - DistServe/Splitwise predict colocated ITL spikes whenever a
-  long prefill runs; target: disaggregated p99 ITL <= 1.5x its own p50.
+- ``interference``: a steady stream of short decode-heavy requests (evenly spaced by
+  default, so the decode batch size holds still; ``--short-burstiness 1`` makes it
+  Poisson) while long-prompt requests arrive every few seconds (``--long-every 0``:
+  none, the control run); reports ITL and TPOT of the short requests (p50, p99) -
+  DistServe/Splitwise predict colocated ITL spikes whenever a long prefill runs;
+  target: disaggregated p99 ITL <= 1.5x its own p50.
 - ``trace``: the Azure 2023 conversation trace, scaled to this machine; goodput at
   the same SLOs and TTFT/TPOT percentiles.
 
@@ -76,10 +78,10 @@ def interference_specs(args: argparse.Namespace) -> list[wl.RequestSpec]:
         n_short,
         args.short_input,
         args.short_output,
-        wl.arrivals(n_short, args.short_rate, 1.0, rng),
+        wl.arrivals(n_short, args.short_rate, args.short_burstiness, rng),
         seed=args.seed,
     )
-    n_long = int(args.duration / args.long_every)
+    n_long = int(args.duration / args.long_every) if args.long_every > 0 else 0
     times = [args.long_every * (i + 0.5) for i in range(n_long)]
     long = wl.synthetic(n_long, args.long_input, args.long_output, times, seed=args.seed + 1)
     return sorted(short + long, key=lambda s: s.arrival)
@@ -121,9 +123,15 @@ def main() -> None:
     # interference
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--short-rate", type=float, default=1.0)
+    ap.add_argument(
+        "--short-burstiness",
+        type=float,
+        default=float("inf"),
+        help="gamma shape of the short requests' gaps: inf = evenly spaced, 1 = Poisson",
+    )
     ap.add_argument("--short-input", type=int, default=32)
     ap.add_argument("--short-output", type=int, default=48)
-    ap.add_argument("--long-every", type=float, default=10.0)
+    ap.add_argument("--long-every", type=float, default=10.0, help="seconds; 0 = no long prompts")
     ap.add_argument("--long-input", type=int, default=1536)
     ap.add_argument("--long-output", type=int, default=4)
     # trace

@@ -37,8 +37,8 @@ class RequestSpec:
 
 def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
     """Start offsets of ``n`` requests: gamma-distributed gaps with mean ``1/rate``
-    (``burstiness`` 1 = Poisson; < 1 burstier; > 1 more regular), as vLLM defines it.
-    ``rate`` = inf sends everything at once."""
+    (``burstiness`` 1 = Poisson; < 1 burstier; > 1 more regular; inf = evenly spaced,
+    a steady stream), as vLLM defines it. ``rate`` = inf sends everything at once."""
     if n <= 0:
         return []
     if not rate > 0:
@@ -47,6 +47,8 @@ def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -
         raise ValueError("burstiness must be positive")
     if np.isinf(rate):
         return [0.0] * n
+    if np.isinf(burstiness):
+        return [i / rate for i in range(n)]
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     gaps[0] = 0.0
     return [float(x) for x in np.cumsum(gaps)]

@@ -23,6 +23,7 @@ def test_poisson_and_gamma_arrivals_have_the_asked_rate() -> None:
     regular = np.diff(wl.arrivals(4000, 5.0, 4.0, np.random.default_rng(1)))
     assert gaps.std() > regular.std()  # burstier
     assert wl.arrivals(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
+    assert wl.arrivals(4, 2.0, float("inf"), rng) == [0.0, 0.5, 1.0, 1.5]  # steady
 
 
 def test_exact_lengths_shared_prefix_and_turns() -> None:
