@@ -7,7 +7,7 @@ them with :meth:`BatonSettings.engine_config`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +17,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
+# decode attention: the native C kernel (CPU), pure torch, or native where it builds
+AttentionBackend = Literal["auto", "native", "torch"]
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -48,6 +50,8 @@ class EngineConfig:
     dtype: DType = "float32"
     device: str = "cpu"
     num_threads: int | None = None
+    attention: AttentionBackend = "auto"
+    kernel_dir: Path = field(default_factory=lambda: default_cache_dir() / "kernels")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -78,6 +82,7 @@ class BatonSettings(BaseSettings):
     dtype: DType = "float32"
     device: str = "cpu"
     num_threads: int | None = Field(default=None, ge=1)
+    attention: AttentionBackend = "auto"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=1024)
     kv_cache_gb: float = Field(default=1.0, gt=0)
@@ -113,6 +118,8 @@ class BatonSettings(BaseSettings):
             dtype=self.dtype,
             device=self.device,
             num_threads=self.num_threads,
+            attention=self.attention,
+            kernel_dir=self.cache_dir / "kernels",
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),

@@ -38,6 +38,10 @@ class ConfigError(BatonError):
     """A setting is invalid or unsupported on this machine (e.g. float16 on CPU)."""
 
 
+class KernelBuildError(BatonError):
+    """A native CPU kernel could not be compiled or loaded (no compiler, compile failed)."""
+
+
 class InvalidRequestError(BatonError):
     """A request is malformed: empty prompt, bad sampling parameter, too long, ..."""
 

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
+from shared.config import (
+    AttentionBackend,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    default_cache_dir,
+)
 from shared.engine.engine import Engine
 from shared.model.loader import LoadedModel, load_model
 from shared.procs import RedisProcess
@@ -41,8 +47,10 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        attention: AttentionBackend = "auto",
     ) -> Engine:
         config = EngineConfig(
+            attention=attention,
             cache=CacheConfig(
                 kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching
             ),

@@ -32,6 +32,7 @@ from shared.kv.block_hash import BlockHasher
 from shared.kv.block_pool import BlockId, BlockPool
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
+from shared.model.decode_attention import select_decode_attention
 from shared.model.loader import LoadedModel, load_model
 
 
@@ -107,7 +108,10 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        decode = select_decode_attention(
+            config.attention, loaded.model.dtype, config.device, config.kernel_dir
+        )
+        self.runner = ModelRunner(loaded.model, self.kv_cache, decode)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.timings: dict[RequestId, RequestTimings] = {}
         self._next_id = 0

@@ -19,6 +19,7 @@ from shared.model.attention import (
     SlotRun,
     group_by_width,
 )
+from shared.model.decode_attention import DecodeAttention
 from shared.model.llama import LlamaModel
 
 LayerHook = Callable[[int, SchedulerOutput], None]
@@ -48,11 +49,16 @@ def prefill_runs(
 
 
 def decode_groups(
-    decodes: Sequence[ScheduledRequest], ctx: Sequence[int], block_size: int, device: str
+    decodes: Sequence[ScheduledRequest],
+    ctx: Sequence[int],
+    block_size: int,
+    device: str,
+    split: bool,
 ) -> tuple[DecodeGroup, ...]:
+    """The decode rows as one group, or (``split``) groups of similar block-table width."""
     widths = [-(-c // block_size) for c in ctx]
     groups, start = [], 0
-    for end in group_by_width(widths):
+    for end in group_by_width(widths) if split else ([len(widths)] if widths else []):
         tables = [s.request.block_ids for s in decodes[start:end]]
         batch = DecodeBatch.build(tables, ctx[start:end], block_size, device)
         groups.append(DecodeGroup(start, end, batch))
@@ -60,8 +66,11 @@ def decode_groups(
     return tuple(groups)
 
 
-def build_input(step: SchedulerOutput, block_size: int, device: str) -> ModelInput:
-    """Flatten a step: decode rows first (one token each), then each prefill segment."""
+def build_input(
+    step: SchedulerOutput, block_size: int, device: str, *, split_decodes: bool = True
+) -> ModelInput:
+    """Flatten a step: decode rows first (one token each), then each prefill segment.
+    ``split_decodes``: group decode rows by context width (attention that pads them)."""
     # decode rows sorted by context length, so that rows of similar length share a group
     decodes = sorted(
         (s for s in step.scheduled if s.num_new_tokens == 1),
@@ -99,7 +108,7 @@ def build_input(step: SchedulerOutput, block_size: int, device: str) -> ModelInp
         ),
         slot_runs=tuple(runs),
         num_decodes=len(decodes),
-        decode=decode_groups(decodes, ctx, block_size, device),
+        decode=decode_groups(decodes, ctx, block_size, device, split_decodes),
         prefills=tuple(segments),
     )
     return ModelInput(
@@ -114,19 +123,28 @@ def build_input(step: SchedulerOutput, block_size: int, device: str) -> ModelInp
 class ModelRunner:
     """Runs the model for one engine over its KV pool (which it owns for the engine's life)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, decode: DecodeAttention):
         self.model = model
         self.kv_cache = kv_cache
+        self.decode = decode
         self.block_size = kv_cache.layout.block_size
         self.device = model.device
 
     def execute(
         self, step: SchedulerOutput, on_layer: LayerHook | None = None
     ) -> dict[RequestId, SampledToken]:
-        inp = build_input(step, self.block_size, self.device)
+        inp = build_input(
+            step, self.block_size, self.device, split_decodes=self.decode.pads_to_width
+        )
         hook = None if on_layer is None else (lambda layer: on_layer(layer, step))
         logits = self.model.forward(
-            inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.logits_rows, hook
+            inp.input_ids,
+            inp.positions,
+            inp.meta,
+            self.kv_cache,
+            inp.logits_rows,
+            self.decode,
+            hook,
         )
         if not inp.sampled:
             return {}

@@ -2,65 +2,30 @@
 
 Rows of the flattened batch are ordered: all decode rows first (one new token
 each), then each prefill segment's rows (several new tokens, possibly on top
-of KV already in the pool: a cached prefix or earlier chunks).
-
-Inside a block one layer's K (or V) is ``[block_size, kv_heads, head_dim]``,
-so a sequence's blocks are gathered with ``index_select`` (whole blocks,
-memcpy speed) into its contiguous ``[T, kv_heads * head_dim]`` window.
-Decode attention then scores every query head against that window in one
-batched matmul by placing each head's query in the columns of its KV head
-(a block-diagonal query, zeros elsewhere): 3x the FLOPs of per-head matmuls,
-but the window is read once with no permute copy, which is what costs on CPU.
-Measured side by side here, this beats SDPA with a single query token, a
-gather of single token slots, per-head matmuls over the strided window, and
-a permute copy into ``[B, kv_heads, T, head_dim]`` (see DESIGN, pitfalls). The
-buffers live in a workspace reused across layers and steps, because fresh
-large allocations cost page faults.
+of KV already in the pool: a cached prefix or earlier chunks). Decode rows go
+to a :class:`~shared.model.decode_attention.DecodeAttention` implementation;
+prefill segments use SDPA over their context.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-
-class Workspace:
-    """Scratch buffers reused by every forward (one forward at a time; not thread-safe)."""
-
-    def __init__(self, dtype: torch.dtype, device: str):
-        self.dtype = dtype
-        self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = math.prod(shape)
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel + numel // 4, dtype=self.dtype, device=self.device)
-            self._buffers[name] = buf
-        return buf[:numel].view(shape)
-
-    def block_diagonal(self, n_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-        """``[n_heads, kv_heads * head_dim]`` 0/1 selector: head i keeps its KV head's columns."""
-        key = f"block_diagonal:{n_heads}:{kv_heads}:{head_dim}"
-        sel = self._buffers.get(key)
-        if sel is None:
-            owner = torch.arange(n_heads) // (n_heads // kv_heads)
-            cols = torch.arange(kv_heads * head_dim) // head_dim
-            sel = (owner[:, None] == cols[None, :]).to(self.dtype).to(self.device)
-            self._buffers[key] = sel
-        return sel
+if TYPE_CHECKING:
+    from shared.model.decode_attention import DecodeAttention
 
 
 @dataclass(frozen=True)
 class DecodeBatch:
     """``B`` decode rows whose block tables are padded to ``W`` blocks."""
 
-    block_ids: torch.Tensor  # [B * W] row-major block tables, padded with each row's first block
+    tables: torch.Tensor  # [B, W] int64 block tables, padded with each row's first block
+    lens: torch.Tensor  # [B] int64 context lengths (the new token included)
     mask: torch.Tensor  # [B, 1, W * block_size] True past the sequence's end
 
     @classmethod
@@ -72,15 +37,15 @@ class DecodeBatch:
         device: str,
     ) -> DecodeBatch:
         width = -(-max(context_lens) // block_size)
-        flat: list[int] = []
+        rows: list[list[int]] = []
         for table in block_tables:
             used = list(table[:width])
-            flat.extend(used)
-            flat.extend([used[0]] * (width - len(used)))
+            rows.append(used + [used[0]] * (width - len(used)))
         pos = torch.arange(width * block_size)
-        lens = torch.tensor(context_lens)
+        lens = torch.tensor(context_lens, dtype=torch.int64)
         return cls(
-            block_ids=torch.tensor(flat, device=device),
+            tables=torch.tensor(rows, dtype=torch.int64, device=device),
+            lens=lens.to(device),
             mask=(pos[None, :] >= lens[:, None])[:, None, :].to(device),
         )
 
@@ -166,31 +131,6 @@ def write_kv(
         v_pool[r.block, r.offset : r.offset + r.length] = v[r.row : r.row + r.length]
 
 
-def _decode(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    d: DecodeBatch,
-    scale: float,
-    ws: Workspace,
-) -> torch.Tensor:
-    """``q``: ``[B, heads, head_dim]`` one token per row."""
-    b, n_heads, head_dim = q.shape
-    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    group, width = n_heads // kv_heads, kv_heads * head_dim
-    blocks = (d.block_ids.shape[0], block_size, kv_heads, head_dim)
-    keys = torch.index_select(k_pool, 0, d.block_ids, out=ws.take("k", blocks)).view(b, -1, width)
-    values = torch.index_select(v_pool, 0, d.block_ids, out=ws.take("v", blocks)).view(b, -1, width)
-    q_bd = ws.take("q", (b, n_heads, width))
-    torch.mul(q.repeat(1, 1, kv_heads), ws.block_diagonal(n_heads, kv_heads, head_dim), out=q_bd)
-    scores = torch.bmm(q_bd, keys.transpose(1, 2)).float() * scale  # [B, heads, T]
-    scores.masked_fill_(d.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.bmm(probs, values).view(b, kv_heads, group, kv_heads, head_dim)
-    # head (k, g) keeps the columns of its own KV head k
-    return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, n_heads, head_dim)
-
-
 def _prefill(
     q: torch.Tensor,
     new_k: torch.Tensor,
@@ -234,13 +174,13 @@ def paged_attention(
     v_pool: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    ws: Workspace,
+    decode: DecodeAttention,
 ) -> torch.Tensor:
     """``q``: ``[N, heads, head_dim]``, ``k``/``v``: ``[N, kv_heads, head_dim]`` (already
     written to the pools ``[blocks, block_size, kv_heads, head_dim]``)."""
     out = torch.empty_like(q)
     for g in meta.decode:
-        out[g.start : g.end] = _decode(q[g.start : g.end], k_pool, v_pool, g.batch, scale, ws)
+        out[g.start : g.end] = decode(q[g.start : g.end], k_pool, v_pool, g.batch, scale)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale)

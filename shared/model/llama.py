@@ -1,8 +1,8 @@
 """A Llama-family decoder in plain torch (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV pool.
 
-The model holds its weights and a scratch workspace (so it runs one forward at
-a time); the caller passes the flattened ragged batch, the attention metadata
-and the KV pool.
+The model holds only its weights (engines may share one model); the caller
+passes the flattened ragged batch, the attention metadata, the KV pool and its
+decode attention implementation.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from shared.errors import ModelFormatError
 from shared.kv.kv_cache import KVCache
 from shared.model.arch import LlamaArch
-from shared.model.attention import AttentionMetadata, Workspace, paged_attention, write_kv
+from shared.model.attention import AttentionMetadata, paged_attention, write_kv
+from shared.model.decode_attention import DecodeAttention
 from shared.model.rope import Rope
 
 
@@ -84,7 +85,6 @@ class LlamaModel:
                 )
             )
         self.rope = Rope(arch, dtype, device)
-        self.workspace = Workspace(dtype, device)
         self.scale = a.head_dim**-0.5
 
     @torch.inference_mode()
@@ -95,6 +95,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv: KVCache,
         logits_rows: torch.Tensor,
+        decode: DecodeAttention,
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows.
@@ -120,7 +121,7 @@ class LlamaModel:
             write_kv(k_pool, v_pool, k, v, meta)
             if on_layer is not None:
                 on_layer(idx)
-            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.workspace)
+            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, decode)
             h = h + F.linear(attn.reshape(n, q_dim), lw.o_proj)
             x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
             gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)

@@ -12,7 +12,10 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("BATON_KV_CACHE_GB", "0.5")
     monkeypatch.setenv("BATON_MAX_NUM_BATCHED_TOKENS", "512")
     monkeypatch.setenv("BATON_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("BATON_ATTENTION", "torch")
+    monkeypatch.setenv("BATON_CACHE_DIR", "/data/baton")
     cfg = BatonSettings().engine_config()
+    assert cfg.attention == "torch" and str(cfg.kernel_dir) == "/data/baton/kernels"
     assert cfg.model == "/models/x.gguf" and cfg.dtype == "bfloat16"
     assert cfg.cache.kv_cache_bytes == 1 << 29 and not cfg.cache.enable_prefix_caching
     assert cfg.scheduler.max_num_batched_tokens == 512
@@ -25,6 +28,7 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
         ("BATON_BLOCK_SIZE", "0"),
         ("BATON_KV_CACHE_GB", "-1"),
         ("BATON_NUM_THREADS", "0"),
+        ("BATON_ATTENTION", "flash"),
     ],
 )
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:

@@ -57,7 +57,7 @@ def test_build_input_orders_decodes_first_and_samples_finished_prompts() -> None
     assert (m.slot_blocks.tolist(), m.slot_offsets.tolist()) == ([2], [0])
     (group,) = m.decode
     assert (group.start, group.end) == (0, 1)
-    assert group.batch.block_ids.tolist() == [1, 2]
+    assert group.batch.tables.tolist() == [[1, 2]]
     assert group.batch.mask.tolist() == [[[False] * 5 + [True] * 3]]
     assert [(s.start, s.end, s.context_len) for s in m.prefills] == [(1, 7, 6), (7, 12, 5)]
     assert torch.equal(m.prefills[1].block_table, torch.tensor([5, 6]))
@@ -72,3 +72,17 @@ def test_decode_rows_group_by_context_width() -> None:
     assert group_by_width([3, 3, 4, 5]) == [4]  # similar lengths: one group
     assert group_by_width([2, 3, 40, 41, 96]) == [2, 4, 5]  # long contexts apart
     assert group_by_width([1, 2, 3, 9]) == [4]  # small absolute difference: keep together
+
+
+def test_unpadded_decode_attention_gets_one_group() -> None:
+    short = make_req("s", prompt=3, computed=3, blocks=[1], outputs=1)
+    long = make_req("l", prompt=40, computed=40, blocks=list(range(2, 13)), outputs=1)
+    step = SchedulerOutput(
+        scheduled=(ScheduledRequest(long, 1), ScheduledRequest(short, 1)), preempted=()
+    )
+    assert len(build_input(step, block_size=4, device="cpu").meta.decode) == 2
+    inp = build_input(step, block_size=4, device="cpu", split_decodes=False)
+    (group,) = inp.meta.decode
+    assert (group.start, group.end) == (0, 2)
+    assert group.batch.lens.tolist() == [4, 41]  # sorted by length; the new token counts
+    assert group.batch.tables.tolist() == [[1] * 11, list(range(2, 13))]

@@ -8,6 +8,7 @@ from shared.engine.model_runner import prefill_runs
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
 from shared.model.attention import AttentionMetadata, PrefillSegment
+from shared.model.decode_attention import GatherDecode
 from shared.model.loader import LoadedModel
 
 BLOCK = 16
@@ -40,4 +41,7 @@ def prefill_logits(
         decode=(),
         prefills=(PrefillSegment(0, n, torch.tensor(blocks[: -(-len(ids) // BLOCK)]), len(ids)),),
     )
-    return loaded.model.forward(torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n))
+    decode = GatherDecode(loaded.model.dtype, loaded.model.device)  # unused: no decode rows
+    return loaded.model.forward(
+        torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n), decode
+    )

@@ -1,0 +1,118 @@
+"""ctypes binding of ``paged_decode.c``: decode attention read in place through block tables.
+
+Ownership: the caller owns every tensor; the kernel only reads ``q``, the pools,
+``tables`` and ``lens`` and writes ``out``, and returns before the call does
+(ctypes releases the GIL for its duration). The tensors must stay alive and
+unmodified until then, which a synchronous call guarantees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from shared.errors import KernelBuildError
+from shared.kernels.build import build_library
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+
+
+class PagedDecodeKernel:
+    """The compiled kernel, one entry point per storage dtype (fp32, bf16)."""
+
+    def __init__(self, library: Path):
+        try:
+            lib = ctypes.CDLL(str(library))
+        except OSError as e:
+            raise KernelBuildError(f"cannot load kernel library {library}: {e}") from e
+        self.library = library
+        self._entry = {}
+        for dtype, name in (
+            (torch.float32, "baton_paged_decode_f32"),
+            (torch.bfloat16, "baton_paged_decode_bf16"),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = _ARGTYPES
+            fn.restype = ctypes.c_int
+            self._entry[dtype] = fn
+
+    @classmethod
+    def build(cls, kernel_dir: Path) -> PagedDecodeKernel:
+        # torch must be loaded first: the library then binds to torch's own OpenMP
+        # runtime (same soname) and shares its thread pool instead of starting another
+        return cls(build_library(SOURCE, kernel_dir))
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._entry
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """``q``/``out``: ``[B, heads, head_dim]``; pools: one layer's
+        ``[blocks, block_size, kv_heads, head_dim]`` views (blocks may be strided);
+        ``tables``: ``[B, W]`` int64 block ids; ``lens``: ``[B]`` int64 context lengths."""
+        b, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_pool.shape
+        _check(q, k_pool, v_pool, tables, lens, out)
+        rc = self._entry[q.dtype](
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            out.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            b,
+            tables.shape[1],
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            k_pool.stride(0),
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc == 2:
+            raise MemoryError("paged decode kernel could not allocate its scratch memory")
+        if rc != 0:
+            raise ValueError(f"paged decode kernel rejected its arguments (code {rc})")
+
+
+def _check(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The kernel trusts raw pointers, so the layout it assumes is checked here."""
+    b = q.shape[0]
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    inner = (kv_heads * head_dim, head_dim, 1)
+    problems = [
+        (q.device.type != "cpu", "tensors must be on the CPU"),
+        (q.dtype != k_pool.dtype or q.dtype != v_pool.dtype or q.dtype != out.dtype, "dtypes"),
+        (not q.is_contiguous() or not out.is_contiguous(), "q and out must be contiguous"),
+        (out.shape != q.shape or q.shape[2] != head_dim, "q/out shape"),
+        (k_pool.stride()[1:] != inner or v_pool.stride()[1:] != inner, "pool inner layout"),
+        (k_pool.stride(0) != v_pool.stride(0) or v_pool.shape != k_pool.shape, "K/V pools differ"),
+        (tables.dtype != torch.int64 or not tables.is_contiguous(), "tables must be int64"),
+        (tables.dim() != 2 or tables.shape[0] != b, "tables shape"),
+        (lens.dtype != torch.int64 or lens.shape != (b,), "lens must be int64 [B]"),
+        (b > 0 and int(lens.max()) > tables.shape[1] * block_size, "lens exceed the tables"),
+    ]
+    bad = [what for failed, what in problems if failed]
+    if bad:
+        raise ValueError(f"paged decode kernel: bad arguments: {', '.join(bad)}")

@@ -1,0 +1,177 @@
+"""The native paged decode kernel against a plain per-head reference, and its build cache."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.config import default_cache_dir
+from shared.errors import ConfigError, KernelBuildError
+from shared.kernels.build import build_library
+from shared.kernels.paged_decode import SOURCE, PagedDecodeKernel
+from shared.model.attention import DecodeBatch
+from shared.model.decode_attention import GatherDecode, NativeDecode, select_decode_attention
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    return PagedDecodeKernel.build(default_cache_dir() / "kernels")
+
+
+def make_case(
+    *,
+    dtype: torch.dtype,
+    lens: list[int],
+    heads: int = 9,
+    kv_heads: int = 3,
+    head_dim: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """q ``[B, heads, D]`` and one layer's K/V views of a 3-layer pool (so blocks are
+    strided like the engine's), with shuffled, non-overlapping block tables."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3
+    pool = torch.randn(num_blocks, 3, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(order[used : used + n])
+        used += n
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    return q, pool[:, 1, 0], pool[:, 1, 1], tables
+
+
+def reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: list[list[int]],
+    lens: list[int],
+) -> torch.Tensor:
+    """Textbook attention in float64, one sequence and one query head at a time."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k_pool.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        keys = k_pool[table].reshape(-1, k_pool.shape[2], head_dim)[:n].double()
+        values = v_pool[table].reshape(-1, v_pool.shape[2], head_dim)[:n].double()
+        for h in range(heads):
+            scores = keys[:, h // group] @ q[b, h].double() / math.sqrt(head_dim)
+            out[b, h] = torch.softmax(scores, 0) @ values[:, h // group]
+    return out
+
+
+def run(
+    kernel: PagedDecodeKernel,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: list[list[int]],
+    lens: list[int],
+) -> torch.Tensor:
+    batch = DecodeBatch.build(tables, lens, k_pool.shape[1], "cpu")
+    out = torch.empty_like(q)
+    kernel(q, k_pool, v_pool, batch.tables, batch.lens, q.shape[2] ** -0.5, out)
+    return out
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # atol = rtol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 48, 4), (6, 1, 32, 1)],
+)
+def test_matches_reference(
+    kernel: PagedDecodeKernel,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    lens = [1, 15, 16, 17, 100, 3]  # a single token, block edges, ragged lengths
+    q, k_pool, v_pool, tables = make_case(
+        dtype=dtype, lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=block_size,
+    )  # fmt: skip
+    got = run(kernel, q, k_pool, v_pool, tables, lens)
+    want = reference(q, k_pool, v_pool, tables, lens)
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_batch_or_threads(
+    kernel: PagedDecodeKernel, dtype: torch.dtype
+) -> None:
+    lens = [300, 7, 129, 64]
+    q, k_pool, v_pool, tables = make_case(dtype=dtype, lens=lens, seed=1)
+    batched = run(kernel, q, k_pool, v_pool, tables, lens)
+    for b in range(len(lens)):
+        alone = run(kernel, q[b : b + 1], k_pool, v_pool, tables[b : b + 1], lens[b : b + 1])
+        assert torch.equal(alone[0], batched[b])  # bitwise: greedy tokens cannot flip
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run(kernel, q, k_pool, v_pool, tables, lens)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, batched)
+
+
+def test_agrees_with_the_torch_path(kernel: PagedDecodeKernel) -> None:
+    lens = [40, 200, 13]
+    q, k_pool, v_pool, tables = make_case(dtype=torch.float32, lens=lens, seed=2)
+    batch = DecodeBatch.build(tables, lens, 16, "cpu")
+    native = NativeDecode(kernel)(q, k_pool, v_pool, batch, 0.125)
+    gathered = GatherDecode(torch.float32, "cpu")(q, k_pool, v_pool, batch, 0.125)
+    torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_arguments_it_would_misread(kernel: PagedDecodeKernel) -> None:
+    lens = [20, 5]
+    q, k_pool, v_pool, tables = make_case(dtype=torch.float32, lens=lens)
+    batch = DecodeBatch.build(tables, lens, 16, "cpu")
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(q, k_pool, v_pool, batch.tables.int(), batch.lens, 1.0, out)
+    with pytest.raises(ValueError, match="lens exceed"):
+        kernel(q, k_pool, v_pool, batch.tables, batch.lens + 100, 1.0, out)
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel(q.double(), k_pool, v_pool, batch.tables, batch.lens, 1.0, out.double())
+    with pytest.raises(ValueError, match="pool inner layout"):
+        kernel(
+            q, k_pool.transpose(1, 2), v_pool.transpose(1, 2), batch.tables, batch.lens, 1.0, out
+        )
+
+
+def test_library_is_built_once_per_machine(tmp_path: Path) -> None:
+    first = build_library(SOURCE, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    again = build_library(SOURCE, tmp_path)
+    assert again == first and again.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no temporary left behind
+
+
+def test_a_failing_compiler_is_a_clear_error_and_auto_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = tmp_path / "broken-cc"
+    compiler.write_text("#!/bin/sh\necho 'error: no such thing' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    with pytest.raises(KernelBuildError, match="no such thing"):
+        build_library(SOURCE, tmp_path / "k")
+    auto = select_decode_attention("auto", torch.float32, "cpu", tmp_path / "k")
+    assert isinstance(auto, GatherDecode)
+    with pytest.raises(ConfigError, match="native decode attention kernel is unavailable"):
+        select_decode_attention("native", torch.float32, "cpu", tmp_path / "k")
+    assert isinstance(
+        select_decode_attention("torch", torch.float32, "cpu", tmp_path), GatherDecode
+    )
