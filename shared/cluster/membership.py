@@ -52,6 +52,12 @@ class Member(BaseModel):
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
+    @property
+    def endpoint(self) -> tuple[str, int, int | None, str | None, float]:
+        """Where and which process this member is: equal across heartbeats of one process
+        (unlike ``load``), different once it restarts."""
+        return (self.host, self.http_port, self.data_port, self.transport, self.started_at)
+
 
 async def live_members(redis: aioredis.Redis, keys: Keys, role: str) -> list[Member]:
     """Every instance of ``role`` whose heartbeat key has not expired, by instance id."""

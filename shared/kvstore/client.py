@@ -149,6 +149,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
         self._nodes: dict[str, NodeClient] = {}
+        self._retired: list[NodeClient] = []  # replaced clients whose idle connections to close
         self._live: list[NodeClient] = []
         self._refreshed = -1e9
         self._refresh_lock = asyncio.Lock()
@@ -165,13 +166,22 @@ class KVStoreClient:
                 if members is not None:
                     self._live = [self._node(m) for m in members if m.data_port is not None]
                     self._refreshed = time.monotonic()
+                retired, self._retired = self._retired, []
+                for node in retired:
+                    await node.close()
         return list(self._live)
 
     def _node(self, member: Member) -> NodeClient:
+        """The client of ``member``'s process: kept (with its pooled connections) across
+        heartbeats, whose load figures change; replaced when the node restarted."""
         node = self._nodes.get(member.instance_id)
-        if node is None or node.member != member:
-            node = NodeClient(self.transport, member, self.client_id, timeout_s=self.timeout_s)
-            self._nodes[member.instance_id] = node
+        if node is not None and node.member.endpoint == member.endpoint:
+            node.member = member
+            return node
+        if node is not None:
+            self._retired.append(node)  # its connections lead to the old process
+        node = NodeClient(self.transport, member, self.client_id, timeout_s=self.timeout_s)
+        self._nodes[member.instance_id] = node
         return node
 
     async def _ranked(self, ids: Sequence[str]) -> dict[str, list[NodeClient]]:
@@ -397,7 +407,8 @@ class KVStoreClient:
         return leases
 
     async def close(self) -> None:
-        for node in self._nodes.values():
+        for node in [*self._retired, *self._nodes.values()]:
             await node.close()
         self._nodes.clear()
+        self._retired = []
         self._live = []
