@@ -68,6 +68,28 @@ def test_decode_attention_backends_agree(
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_padding_small_fp32_gemms_keeps_the_tokens(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel
+) -> None:
+    """Decode batches of 2-3 rows run their GEMMs padded to 4 rows (MKL's faster path);
+    the padding rows must not change the real rows' results."""
+    prompts = _prompts(loaded_fp32)[:3]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    model = loaded_fp32.model
+    assert model.pad_small_gemm
+    padded = make_engine().generate(prompts, params)
+    try:
+        model.pad_small_gemm = False
+        plain = make_engine().generate(prompts, params)
+    finally:
+        model.pad_small_gemm = True
+    assert [p.token_ids for p in padded] == [p.token_ids for p in plain]
+    for a, b in zip(padded, plain, strict=True):
+        got = torch.tensor([lp.logprob for lp in a.logprobs])
+        want = torch.tensor([lp.logprob for lp in b.logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
 def test_chunked_prefill_matches_one_shot(
     make_engine: EngineFactory, loaded_fp32: LoadedModel
 ) -> None:
