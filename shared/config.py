@@ -42,6 +42,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # cap on one request's prompt chunk per step (0: none, the budget is the cap)
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,11 @@ class BatonSettings(BaseSettings):
     max_num_seqs: int = Field(default=64, ge=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
     prefault_kv: bool = True  # services; `baton generate` (one shot) skips it
+    # services: CPUs for the engine thread alone (BATON_CPUS pins the whole process), so
+    # HTTP and KV transfers can run on other cores than the model, e.g. "1"
+    engine_cpus: str | None = Field(default=None, pattern=r"^\d+(,\d+)*$")
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = Field(default="baton", pattern=r"^[A-Za-z0-9_.-]+$")
     transport: Literal["ucx", "tcp"] = "ucx"
@@ -98,6 +104,11 @@ class BatonSettings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0)
     member_ttl_s: float = Field(default=5.0, gt=0)
     index_ttl_s: float = Field(default=3600.0, gt=0)
+
+    def engine_cpu_set(self) -> frozenset[int] | None:
+        if self.engine_cpus is None:
+            return None
+        return frozenset(int(c) for c in self.engine_cpus.split(","))
 
     def cluster_config(self) -> ClusterConfig:
         if self.member_ttl_s <= self.heartbeat_s:
@@ -130,5 +141,6 @@ class BatonSettings(BaseSettings):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
         )

@@ -48,6 +48,7 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         attention: AttentionBackend = "auto",
+        long_prefill_token_threshold: int = 0,
     ) -> Engine:
         config = EngineConfig(
             attention=attention,
@@ -58,6 +59,7 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
             ),
         )
         return Engine(loaded_fp32, replace(config, dtype="float32"))

@@ -24,12 +24,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 
 from services.prefill.settings import PrefillSettings
-from shared.config import BatonSettings
+from shared.config import BatonSettings, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_runner import LayerHook
 from shared.engine.request import FinishReason
@@ -48,6 +48,8 @@ from shared.serving.protocol import (
 from shared.serving.worker import Worker, WorkerMetrics
 
 log = logging.getLogger(__name__)
+
+PREFILL_CHUNK_TOKENS = 256
 
 LayerBatch = tuple[int, list[int], list[BlockId]]  # layer, transfer indices, pool blocks
 
@@ -95,6 +97,17 @@ class Prefiller(Worker):
         self.jobs: dict[str, PrefillJob] = {}
         self.prefill_metrics = PrefillMetrics(self.metrics)
         self._plan: StepPlan = []
+
+    def engine_config(self) -> EngineConfig:
+        """Prompt chunks capped at :data:`PREFILL_CHUNK_TOKENS` unless
+        ``BATON_LONG_PREFILL_TOKEN_THRESHOLD`` says otherwise: a long prompt then
+        no longer holds the short prompts queued behind it (their TTFT) for its
+        whole prefill, nor releases them to decode in one burst."""
+        config = self.baton.engine_config()
+        if "long_prefill_token_threshold" in self.baton.model_fields_set:
+            return config
+        scheduler = replace(config.scheduler, long_prefill_token_threshold=PREFILL_CHUNK_TOKENS)
+        return replace(config, scheduler=scheduler)
 
     def load(self) -> dict[str, float]:
         pending = sum(j.num_prompt_tokens for j in self.jobs.values() if j.started is None)

@@ -4,10 +4,11 @@ Pure Python: it decides, per step, how many new tokens of which request are
 computed, and owns the requests' block tables through the :class:`BlockPool`.
 Running requests go first (decodes and unfinished prompt chunks), then waiting
 requests in arrival order while the token budget, the sequence limit and free
-blocks allow. When a running request needs a block and none is free, the
-latest-arrived running request is preempted: its blocks go back to the pool
-(still findable by hash, so resuming usually re-hits them) and it waits at the
-front of the queue.
+blocks allow; with ``long_prefill_token_threshold`` no request's prompt chunk
+exceeds it, which leaves budget for the prompts queued behind a long one. When
+a running request needs a block and none is free, the latest-arrived running
+request is preempted: its blocks go back to the pool (still findable by hash,
+so resuming usually re-hits them) and it waits at the front of the queue.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             need = cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
             while need > self.pool.num_free and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()))
@@ -158,7 +159,7 @@ class Scheduler:
             usable = req.block_hashes[: (len(tokens) - 1) // bs]
             hits = self.pool.lookup(usable)
             computed = len(hits) * bs
-            num_new = len(tokens) - computed
+            num_new = self._chunk(len(tokens) - computed, budget=None)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill and scheduled:
                     break
@@ -179,6 +180,15 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return budget
+
+    def _chunk(self, remaining: int, budget: int | None) -> int:
+        """Tokens of a request to compute this step: at most ``budget``, and a prompt
+        chunk at most ``long_prefill_token_threshold`` (so one long prompt does not
+        hold every prompt queued behind it for its whole prefill)."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and self.config.enable_chunked_prefill:
+            remaining = min(remaining, cap)
+        return remaining if budget is None else min(remaining, budget)
 
     def _preempt(self, req: Request) -> RequestId:
         self._free_blocks(req)

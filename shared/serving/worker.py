@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings
 
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
-from shared.config import BatonSettings
+from shared.config import BatonSettings, EngineConfig
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.engine.model_runner import LayerHook
@@ -124,6 +124,10 @@ class Worker:
     def layer_hook(self) -> LayerHook | None:
         return None
 
+    def engine_config(self) -> EngineConfig:
+        """The engine this role runs (``BATON_*`` settings; a role may adjust defaults)."""
+        return self.baton.engine_config()
+
     def load(self) -> dict[str, float]:
         """Published with every heartbeat; the gateway routes on it."""
         return {}
@@ -132,12 +136,15 @@ class Worker:
         port = self.settings.port
         engine = await asyncio.to_thread(
             Engine.from_config,
-            self.baton.engine_config(),
+            self.engine_config(),
             cache_dir=self.baton.cache_dir,
             progress=False,
         )
         self._loop = EngineLoop(
-            engine, on_layer=self.layer_hook(), on_step=self.metrics.observe_step
+            engine,
+            on_layer=self.layer_hook(),
+            on_step=self.metrics.observe_step,
+            cpus=self.baton.engine_cpu_set(),
         )
         self._loop.start()
         member = Member(

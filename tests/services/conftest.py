@@ -12,9 +12,12 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
+from shared.engine.engine import Engine
 from shared.launcher import LocalCluster, Topology
 from shared.procs import free_port
 from shared.transport import Transport, make_transport
+from tests.conftest import EngineFactory
 
 TRANSPORTS = ["tcp", "ucx"]
 
@@ -30,6 +33,12 @@ async def transports() -> AsyncIterator[dict[str, Transport]]:
 
 MODEL = "SmolLM2-135M-Instruct"
 FAST_HEARTBEAT = {"BATON_HEARTBEAT_S": "0.3", "BATON_MEMBER_TTL_S": "1.5"}
+
+
+def serving_reference(make_engine: EngineFactory, **overrides: int) -> Engine:
+    """The in-process engine a cluster must match token for token: the same engine
+    and scheduler config as the prefill service (which caps prompt chunks)."""
+    return make_engine(long_prefill_token_threshold=PREFILL_CHUNK_TOKENS, **overrides)
 
 
 def free_ports(role: str, index: int) -> int:

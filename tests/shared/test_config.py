@@ -14,6 +14,8 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("BATON_ENABLE_PREFIX_CACHING", "false")
     monkeypatch.setenv("BATON_ATTENTION", "torch")
     monkeypatch.setenv("BATON_CACHE_DIR", "/data/baton")
+    monkeypatch.setenv("BATON_ENGINE_CPUS", "1,3")
+    assert BatonSettings().engine_cpu_set() == {1, 3}
     cfg = BatonSettings().engine_config()
     assert cfg.attention == "torch" and str(cfg.kernel_dir) == "/data/baton/kernels"
     assert cfg.model == "/models/x.gguf" and cfg.dtype == "bfloat16"
@@ -29,6 +31,7 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
         ("BATON_KV_CACHE_GB", "-1"),
         ("BATON_NUM_THREADS", "0"),
         ("BATON_ATTENTION", "flash"),
+        ("BATON_ENGINE_CPUS", "1-3"),
     ],
 )
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:

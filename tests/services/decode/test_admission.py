@@ -12,7 +12,7 @@ import httpx
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.conftest import MODEL, start_cluster
+from tests.services.conftest import MODEL, serving_reference, start_cluster
 
 BLOCK_BYTES = 737_280  # the default model's fp32 block (16 tokens)
 
@@ -51,7 +51,7 @@ def test_burst_over_kv_capacity_queues_and_stays_exact(
         stats = httpx.get(f"http://127.0.0.1:{decode.http_port}/stats").json()
     finally:
         local.stop()
-    engine = make_engine()
+    engine = serving_reference(make_engine)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == engine.generate([prompt], params)[0].token_ids

@@ -19,7 +19,7 @@ from openai import AsyncOpenAI
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.conftest import MODEL, Cluster
+from tests.services.conftest import MODEL, Cluster, serving_reference
 
 STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting "
@@ -124,7 +124,7 @@ def test_tokens_match_in_process_engine(cluster: Cluster, make_engine: EngineFac
             await client.close()
 
     results = asyncio.run(run_all())
-    engine = make_engine()
+    engine = serving_reference(make_engine)
     tok = engine.tokenizer
     lengths = set()
     for case, (prompt_ids, tokens, finish) in zip(cases, results, strict=True):
@@ -217,7 +217,7 @@ def test_non_streaming_usage_and_text(cluster: Cluster, make_engine: EngineFacto
     body = r.json()
     assert "Paris" in body["choices"][0]["message"]["content"]
     assert body["choices"][0]["finish_reason"] == "stop"
-    engine = make_engine()
+    engine = serving_reference(make_engine)
     prompt = engine.tokenizer.encode_chat(
         [{"role": "user", "content": "What is the capital of France?"}]
     )

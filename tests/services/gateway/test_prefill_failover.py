@@ -13,7 +13,7 @@ import httpx
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.conftest import MODEL, start_cluster
+from tests.services.conftest import MODEL, serving_reference, start_cluster
 
 
 def test_prefill_killed_mid_prompt_is_retried_elsewhere(
@@ -59,7 +59,7 @@ def test_prefill_killed_mid_prompt_is_retried_elsewhere(
     finally:
         local.stop()
     assert result["status"] == 200, result
-    ref = make_engine(kv_cache_bytes=256 << 20).generate(
+    ref = serving_reference(make_engine, kv_cache_bytes=256 << 20).generate(
         [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     )[0]
     assert result["body"]["choices"][0]["token_ids"] == ref.token_ids

@@ -11,13 +11,16 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
+from services.prefill.prefiller import PREFILL_CHUNK_TOKENS, Prefiller
+from services.prefill.settings import PrefillSettings
 from shared.cluster.keys import Keys
+from shared.config import BatonSettings
 from shared.engine.sampling_params import SamplingParams
 from shared.kvstore.client import KVStoreClient
 from shared.serving.protocol import Accepted, decode_event
 from shared.transport import Transport
 from tests.conftest import EngineFactory
-from tests.services.conftest import Cluster
+from tests.services.conftest import Cluster, serving_reference
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -25,7 +28,7 @@ async def test_layers_reach_the_store_before_the_first_token(
     cluster: Cluster, transports: dict[str, Transport], make_engine: EngineFactory
 ) -> None:
     prefill = next(s for s in cluster.local.specs if s.role == "prefill")
-    engine = make_engine()
+    engine = serving_reference(make_engine)
     layout = engine.layout
     prompt = [200 + (i * 7) % 40000 for i in range(1000)]  # 62 full blocks + a tail
     body = {
@@ -77,3 +80,15 @@ async def test_layers_reach_the_store_before_the_first_token(
     for block_id, got in zip(local, into, strict=False):
         expected = engine.kv_cache.block(block_id).contiguous().view(torch.uint8).numpy()
         assert np.array_equal(expected.reshape(-1), got)
+
+
+def test_prefill_caps_prompt_chunks_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt is computed in chunks so prompts queued behind it join its steps."""
+
+    def threshold() -> int:
+        worker = Prefiller(PrefillSettings(), BatonSettings(transport="tcp"))
+        return worker.engine_config().scheduler.long_prefill_token_threshold
+
+    assert threshold() == PREFILL_CHUNK_TOKENS
+    monkeypatch.setenv("BATON_LONG_PREFILL_TOKEN_THRESHOLD", "0")
+    assert threshold() == 0

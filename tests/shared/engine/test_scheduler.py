@@ -24,10 +24,14 @@ def make(
     max_seqs: int = 8,
     block_size: int = 4,
     chunked: bool = True,
+    chunk_cap: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=chunk_cap,
         ),
         BlockPool(num_blocks),
         BlockHasher(namespace="test", block_size=block_size),
@@ -261,3 +265,29 @@ def test_aborting_a_prefilled_request_before_it_joins_frees_its_blocks() -> None
     s.schedule()
     s.finish(waiting.request_id, FinishReason.ABORT)
     assert waiting not in s.prefilled and not waiting.block_ids
+
+
+def test_long_prompt_chunks_leave_room_for_prompts_queued_behind_it() -> None:
+    s = make(budget=64, chunk_cap=16)
+    long, short = req(40, max_tokens=2), req(5, max_tokens=2)
+    s.add(long)
+    s.add(short)
+    out = run_step(s)
+    # the long prompt takes one capped chunk; the short one is computed in the same step
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 16), (short, 5)]
+    assert short.output_token_ids == [100] and not long.output_token_ids
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 16), (short, 1)]
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 8)]
+    assert long.output_token_ids == [100]
+    while s.has_unfinished():
+        run_step(s)
+    assert_idle(s)
+
+
+def test_chunk_cap_needs_chunked_prefill() -> None:
+    s = make(budget=64, chunk_cap=16, chunked=False)
+    long = req(40)
+    s.add(long)
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [40]
