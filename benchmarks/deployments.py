@@ -46,8 +46,11 @@ MODEL = "SmolLM2-135M-Instruct"
 TRACE = Path(__file__).resolve().parents[2] / "shared/workloads/azure-2023"
 
 
-def topology(colocated: bool, transport: str, support: str | None) -> Callable[[str], Topology]:
+def topology(
+    colocated: bool, transport: str, support: str | None, dtype: str, split_io: bool
+) -> Callable[[str], Topology]:
     support_cpus = {"kvstore": support, "gateway": support} if support else {}
+    io_cpus = "0" if split_io else "1"
 
     def make(redis_url: str) -> Topology:
         base = Topology(
@@ -58,8 +61,10 @@ def topology(colocated: bool, transport: str, support: str | None) -> Callable[[
             threads=1,
             kv_cache_gb=1.0,
             kvstore_gb=1.0,
-            cpus={"prefill": "0", "decode": "1", **support_cpus},
-            extra_env={"BATON_LOG_LEVEL": "warning"},
+            # decode's engine thread has core 1 to itself; its HTTP and KV I/O share core 0
+            cpus={"prefill": "0", "decode": io_cpus, **support_cpus},
+            engine_cpus={"decode": "1"},
+            extra_env={"BATON_LOG_LEVEL": "warning", "BATON_DTYPE": dtype},
         )
         if colocated:
             return replace(
@@ -113,6 +118,12 @@ def main() -> None:
     ap.add_argument("experiment", choices=["interference", "trace"])
     ap.add_argument("--deployments", default="disaggregated,colocated")
     ap.add_argument("--transport", default="ucx")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--decode-io-with-engine",
+        action="store_true",
+        help="run decode's HTTP/KV I/O on the engine's core 1 (default: on core 0)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -168,7 +179,14 @@ def main() -> None:
         colocated = name == "colocated"
         logs = Path(tempfile.mkdtemp(prefix=f"baton-{name}-"))
         cluster = LocalCluster(
-            topology(colocated, args.transport, args.support_cpus), log_dir=logs
+            topology(
+                colocated,
+                args.transport,
+                args.support_cpus,
+                args.dtype,
+                not args.decode_io_with_engine,
+            ),
+            log_dir=logs,
         ).start()
         try:
             # warm-up: first-touch page faults, connections

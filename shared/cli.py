@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--pin",
         action="store_true",
-        help="pin CPUs: prefill on core 0 and decode on core 1, or colocated on cores 0,1",
+        help="pin CPUs: prefill on core 0 and decode's engine on core 1 (its I/O on core 0), "
+        "or colocated on cores 0,1",
     )
     from shared.bench.command import add_parser as add_bench_parser
 
@@ -207,9 +208,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         "kvstore-data": args.kvstore_port + (KVSTORE_DATA_PORT - DEFAULT_PORTS["kvstore"]),
         "colocated": args.decode_port,
     }
-    cpus = {}
-    if args.pin:
-        cpus = {"colocated": "0,1"} if args.colocated else {"prefill": "0", "decode": "1"}
+    cpus: dict[str, str] = {}
+    engine_cpus: dict[str, str] = {}
+    if args.pin and args.colocated:
+        cpus = {"colocated": "0,1"}
+    elif args.pin:  # decode's engine thread alone on core 1; its I/O shares core 0
+        cpus, engine_cpus = {"prefill": "0", "decode": "0"}, {"decode": "1"}
 
     def ports(role: str, index: int) -> int:
         step = 10 if role.startswith("kvstore") else 1
@@ -231,6 +235,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             kvstore_gb=args.kvstore_gb,
             colocated=1 if args.colocated else 0,
             cpus=cpus,
+            engine_cpus=engine_cpus,
             extra_env={"BATON_CACHE_DIR": str(settings.cache_dir)},
         )
 

@@ -81,6 +81,8 @@ class Topology:
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
     cpus: dict[str, str] = field(default_factory=dict)  # role -> CPU list, e.g. {"prefill": "0"}
+    # role -> CPUs of the engine thread alone (the rest of the process stays on `cpus`)
+    engine_cpus: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -120,6 +122,8 @@ def plan(topo: Topology) -> list[ServiceSpec]:
                 env["BATON_DECODE_COLOCATED"] = "true"
             if role in topo.cpus:
                 env["BATON_CPUS"] = topo.cpus[role]
+            if role in topo.engine_cpus:
+                env["BATON_ENGINE_CPUS"] = topo.engine_cpus[role]
             if topo.threads:
                 env["BATON_NUM_THREADS"] = str(topo.threads)
             if topo.kv_cache_gb:

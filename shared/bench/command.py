@@ -33,7 +33,12 @@ def add_parser(sub: Any) -> None:
         default="inf",
         help="req/s, or a comma list for a sweep (inf = all at once); open loop",
     )
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, inf = evenly spaced")
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape; 1 = Poisson, inf = evenly spaced",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)

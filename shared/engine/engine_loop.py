@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,8 +44,10 @@ class EngineLoop:
         *,
         on_layer: LayerHook | None = None,
         on_step: Callable[[float, int], None] | None = None,
+        cpus: frozenset[int] | None = None,
     ):
         self.engine = engine
+        self.cpus = cpus  # pin the engine thread (and the torch threads it starts) to these
         self.on_layer = on_layer
         self.on_step = on_step  # (seconds, tokens computed), on the engine thread
         self.stats = LoopStats()
@@ -137,6 +140,8 @@ class EngineLoop:
     def _run(self) -> None:
         stalled = False  # the last step found nothing runnable: wait for a command
         try:
+            if self.cpus:  # Linux affinity is per thread: the event loop keeps its own CPUs
+                os.sched_setaffinity(0, self.cpus)
             while True:
                 runnable = self.engine.has_unfinished() and not stalled
                 try:

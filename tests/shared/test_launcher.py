@@ -82,3 +82,14 @@ def test_plan_numbers_replicas_and_ports(replicas: int) -> None:
         if spec.role in ("prefill", "decode"):
             assert spec.env[f"BATON_{spec.role.upper()}_PORT"] == str(spec.http_port)
             assert spec.env[f"BATON_{spec.role.upper()}_ADVERTISE_HOST"] == "127.0.0.1"
+
+
+def test_plan_pins_the_decode_engine_thread_apart_from_its_io() -> None:
+    topo = Topology(
+        redis_url="redis://r:1/0",
+        cpus={"prefill": "0", "decode": "0"},
+        engine_cpus={"decode": "1"},
+    )
+    env = {s.role: s.env for s in plan(topo)}
+    assert env["decode"]["BATON_CPUS"] == "0" and env["decode"]["BATON_ENGINE_CPUS"] == "1"
+    assert env["prefill"]["BATON_CPUS"] == "0" and "BATON_ENGINE_CPUS" not in env["prefill"]

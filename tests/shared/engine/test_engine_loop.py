@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -56,3 +57,18 @@ async def test_call_propagates_errors_and_the_loop_survives(make_engine: EngineF
     finally:
         await loop.stop()
     assert not loop.alive
+
+
+async def test_engine_thread_can_be_pinned_apart_from_the_event_loop(
+    make_engine: EngineFactory,
+) -> None:
+    mine = os.sched_getaffinity(0)
+    cpu = min(mine)
+    loop = EngineLoop(make_engine(), cpus=frozenset({cpu}))
+    loop.start()
+    try:
+        engine_side = await loop.call(lambda e: os.sched_getaffinity(0))
+    finally:
+        await loop.stop()
+    assert engine_side == {cpu}
+    assert os.sched_getaffinity(0) == mine  # Linux affinity is per thread
