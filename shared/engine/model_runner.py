@@ -18,6 +18,7 @@ from shared.model.attention import (
     PrefillSegment,
     SlotRun,
     group_by_width,
+    split_whole_blocks,
 )
 from shared.model.decode_attention import DecodeAttention
 from shared.model.llama import LlamaModel
@@ -97,6 +98,7 @@ def build_input(
             logits_rows.append(len(ids) - 1)
             sampled.append(s)
     ctx = [s.request.num_computed_tokens + 1 for s in decodes]
+    partial, whole = split_whole_blocks(runs, block_size, device)
     meta = AttentionMetadata(
         slot_blocks=torch.tensor(
             [s.request.block_ids[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
@@ -106,7 +108,8 @@ def build_input(
         slot_offsets=torch.tensor(
             [(c - 1) % block_size for c in ctx], dtype=torch.long, device=device
         ),
-        slot_runs=tuple(runs),
+        slot_runs=tuple(partial),
+        block_runs=tuple(whole),
         num_decodes=len(decodes),
         decode=decode_groups(decodes, ctx, block_size, device, split_decodes),
         prefills=tuple(segments),

@@ -100,13 +100,42 @@ class SlotRun:
 
 
 @dataclass(frozen=True)
+class BlockRun:
+    """Rows ``[row, row + len(blocks) * block_size)`` fill the whole blocks ``blocks``."""
+
+    row: int
+    blocks: torch.Tensor  # [n] block ids, int64
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [num_decodes] block receiving each decode row's K/V
     slot_offsets: torch.Tensor  # [num_decodes] offset inside that block
-    slot_runs: tuple[SlotRun, ...]  # where the prefill rows' K/V go, one slice copy per run
+    slot_runs: tuple[SlotRun, ...]  # prefill rows filling part of a block: one slice copy each
     num_decodes: int
     decode: tuple[DecodeGroup, ...]  # decode rows in groups of similar context length
     prefills: tuple[PrefillSegment, ...]
+    block_runs: tuple[BlockRun, ...] = ()  # prefill rows filling whole blocks: one copy per run
+
+
+def split_whole_blocks(
+    runs: Sequence[SlotRun], block_size: int, device: str
+) -> tuple[list[SlotRun], list[BlockRun]]:
+    """Merge runs that fill whole blocks from consecutive rows into :class:`BlockRun` s
+    (one ``index_copy_`` for a long prompt instead of one slice copy per block)."""
+    partial: list[SlotRun] = []
+    whole: list[tuple[int, list[int]]] = []
+    for r in runs:
+        if r.offset != 0 or r.length != block_size:
+            partial.append(r)
+        elif whole and whole[-1][0] + len(whole[-1][1]) * block_size == r.row:
+            whole[-1][1].append(r.block)
+        else:
+            whole.append((r.row, [r.block]))
+    blocks = [
+        BlockRun(row, torch.tensor(ids, dtype=torch.int64, device=device)) for row, ids in whole
+    ]
+    return partial, blocks
 
 
 def write_kv(
@@ -118,14 +147,20 @@ def write_kv(
 ) -> None:
     """Store the new tokens' K/V (``[N, kv_heads, head_dim]``) into their slots.
 
-    Decode rows scatter with one indexed write; prefill rows are contiguous
-    within a block, so each run is a plain slice copy (an indexed write of a
+    Decode rows scatter with one indexed write. Prefill rows are contiguous
+    within a block: whole blocks go in with one ``index_copy_`` per run of them,
+    partly filled ones with a slice copy each (a per-token indexed write of a
     long prompt is ~10x slower on CPU).
     """
     b = meta.num_decodes
     if b:
         k_pool[meta.slot_blocks, meta.slot_offsets] = k[:b]
         v_pool[meta.slot_blocks, meta.slot_offsets] = v[:b]
+    block_shape = k_pool.shape[1:]
+    for br in meta.block_runs:
+        rows = slice(br.row, br.row + br.blocks.shape[0] * block_shape[0])
+        k_pool.index_copy_(0, br.blocks, k[rows].view(-1, *block_shape))
+        v_pool.index_copy_(0, br.blocks, v[rows].view(-1, *block_shape))
     for r in meta.slot_runs:
         k_pool[r.block, r.offset : r.offset + r.length] = k[r.row : r.row + r.length]
         v_pool[r.block, r.offset : r.offset + r.length] = v[r.row : r.row + r.length]

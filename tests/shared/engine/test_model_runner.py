@@ -9,7 +9,7 @@ from shared.engine.request import Request, RequestId
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.kv.block_pool import BlockId
-from shared.model.attention import SlotRun
+from shared.model.attention import SlotRun, split_whole_blocks
 
 
 def make_req(rid: str, prompt: int, computed: int, blocks: list[int], outputs: int = 0) -> Request:
@@ -86,3 +86,14 @@ def test_unpadded_decode_attention_gets_one_group() -> None:
     assert (group.start, group.end) == (0, 2)
     assert group.batch.lens.tolist() == [4, 41]  # sorted by length; the new token counts
     assert group.batch.tables.tolist() == [[1] * 11, list(range(2, 13))]
+
+
+def test_whole_blocks_of_a_prompt_are_written_as_one_run() -> None:
+    runs = prefill_runs(5, 3, 14, [7, 8, 9, 10], 4)  # partial, whole, whole, partial
+    partial, whole = split_whole_blocks(runs, 4, "cpu")
+    assert partial == [runs[0], runs[3]]
+    assert [(w.row, w.blocks.tolist()) for w in whole] == [(6, [8, 9])]
+    # rows that do not follow on (another segment) start a new run
+    other = prefill_runs(20, 0, 4, [11], 4)
+    _, whole = split_whole_blocks(runs + other, 4, "cpu")
+    assert [(w.row, w.blocks.tolist()) for w in whole] == [(6, [8, 9]), (20, [11])]
