@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.engine.engine import Completion
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError, KernelBuildError, RequestTooLongError
@@ -29,6 +30,19 @@ def _prompts(loaded: LoadedModel) -> list[list[int]]:
         "Once upon a time, in a kingdom far away, there lived a princess who " * 3,
     ]
     return [loaded.tokenizer.encode(t) for t in texts]
+
+
+def assert_same_generations(got: list[Completion], want: list[Completion]) -> None:
+    """Same greedy tokens, and logprobs equal to fp32 rounding."""
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert len(g.logprobs) == len(w.logprobs) == len(g.token_ids)
+        torch.testing.assert_close(
+            torch.tensor([lp.logprob for lp in g.logprobs]),
+            torch.tensor([lp.logprob for lp in w.logprobs]),
+            atol=1e-4,
+            rtol=0,
+        )
 
 
 def test_chat_answers_paris(make_engine: EngineFactory) -> None:
@@ -65,12 +79,7 @@ def test_decode_attention_backends_agree(
     assert native_engine.runner.decode.name == "native"
     native = native_engine.generate(prompts, params)
     plain = make_engine(attention="torch").generate(prompts, params)
-    assert [n.token_ids for n in native] == [p.token_ids for p in plain]
-    for n, p in zip(native, plain, strict=True):
-        assert len(n.logprobs) == len(p.logprobs) == 24
-        got = torch.tensor([lp.logprob for lp in n.logprobs])
-        want = torch.tensor([lp.logprob for lp in p.logprobs])
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert_same_generations(native, plain)
 
 
 def test_padding_small_fp32_gemms_keeps_the_tokens(
@@ -88,11 +97,7 @@ def test_padding_small_fp32_gemms_keeps_the_tokens(
         plain = make_engine().generate(prompts, params)
     finally:
         model.pad_small_gemm = True
-    assert [p.token_ids for p in padded] == [p.token_ids for p in plain]
-    for a, b in zip(padded, plain, strict=True):
-        got = torch.tensor([lp.logprob for lp in a.logprobs])
-        want = torch.tensor([lp.logprob for lp in b.logprobs])
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert_same_generations(padded, plain)
 
 
 def test_chunked_prefill_matches_one_shot(

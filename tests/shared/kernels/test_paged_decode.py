@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,19 @@ def kernel() -> PagedDecodeKernel:
     return PagedDecodeKernel.build(default_cache_dir() / "kernels")
 
 
+@dataclass(frozen=True)
+class Case:
+    q: torch.Tensor  # [B, heads, head_dim]
+    k_pool: torch.Tensor  # one layer's [blocks, block_size, kv_heads, head_dim] view
+    v_pool: torch.Tensor
+    tables: list[list[int]]
+    lens: list[int]
+
+    def rows(self, start: int, end: int) -> Case:
+        return Case(self.q[start:end], self.k_pool, self.v_pool, self.tables[start:end],
+                    self.lens[start:end])  # fmt: skip
+
+
 def make_case(
     *,
     dtype: torch.dtype,
@@ -45,9 +59,9 @@ def make_case(
     head_dim: int = 64,
     block_size: int = 16,
     seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
-    """q ``[B, heads, D]`` and one layer's K/V views of a 3-layer pool (so blocks are
-    strided like the engine's), with shuffled, non-overlapping block tables."""
+) -> Case:
+    """One layer's K/V views of a 3-layer pool (so blocks are strided like the
+    engine's), with shuffled, non-overlapping block tables."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 3
@@ -58,21 +72,16 @@ def make_case(
         tables.append(order[used : used + n])
         used += n
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
-    return q, pool[:, 1, 0], pool[:, 1, 1], tables
+    return Case(q, pool[:, 1, 0], pool[:, 1, 1], tables, lens)
 
 
-def reference(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    tables: list[list[int]],
-    lens: list[int],
-) -> torch.Tensor:
+def reference(c: Case) -> torch.Tensor:
     """Textbook attention in float64, one sequence and one query head at a time."""
+    q, k_pool, v_pool = c.q, c.k_pool, c.v_pool
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_pool.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
-    for b, (table, n) in enumerate(zip(tables, lens, strict=True)):
+    for b, (table, n) in enumerate(zip(c.tables, c.lens, strict=True)):
         keys = k_pool[table].reshape(-1, k_pool.shape[2], head_dim)[:n].double()
         values = v_pool[table].reshape(-1, v_pool.shape[2], head_dim)[:n].double()
         for h in range(heads):
@@ -81,17 +90,10 @@ def reference(
     return out
 
 
-def run(
-    kernel: PagedDecodeKernel,
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    tables: list[list[int]],
-    lens: list[int],
-) -> torch.Tensor:
-    batch = DecodeBatch.build(tables, lens, k_pool.shape[1], "cpu")
-    out = torch.empty_like(q)
-    kernel(q, k_pool, v_pool, batch.tables, batch.lens, q.shape[2] ** -0.5, out)
+def run(kernel: PagedDecodeKernel, c: Case) -> torch.Tensor:
+    batch = DecodeBatch.build(c.tables, c.lens, c.k_pool.shape[1], "cpu")
+    out = torch.empty_like(c.q)
+    kernel(c.q, c.k_pool, c.v_pool, batch.tables, batch.lens, c.q.shape[2] ** -0.5, out)
     return out
 
 
@@ -112,12 +114,12 @@ def test_matches_reference(
     block_size: int,
 ) -> None:
     lens = [1, 15, 16, 17, 100, 3]  # a single token, block edges, ragged lengths
-    q, k_pool, v_pool, tables = make_case(
+    case = make_case(
         dtype=dtype, lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         block_size=block_size,
     )  # fmt: skip
-    got = run(kernel, q, k_pool, v_pool, tables, lens)
-    want = reference(q, k_pool, v_pool, tables, lens)
+    got = run(kernel, case)
+    want = reference(case)
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -126,15 +128,15 @@ def test_rows_do_not_depend_on_batch_or_threads(
     kernel: PagedDecodeKernel, dtype: torch.dtype
 ) -> None:
     lens = [300, 7, 129, 64]
-    q, k_pool, v_pool, tables = make_case(dtype=dtype, lens=lens, seed=1)
-    batched = run(kernel, q, k_pool, v_pool, tables, lens)
+    case = make_case(dtype=dtype, lens=lens, seed=1)
+    batched = run(kernel, case)
     for b in range(len(lens)):
-        alone = run(kernel, q[b : b + 1], k_pool, v_pool, tables[b : b + 1], lens[b : b + 1])
+        alone = run(kernel, case.rows(b, b + 1))
         assert torch.equal(alone[0], batched[b])  # bitwise: greedy tokens cannot flip
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run(kernel, q, k_pool, v_pool, tables, lens)
+        single = run(kernel, case)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, batched)
@@ -142,17 +144,18 @@ def test_rows_do_not_depend_on_batch_or_threads(
 
 def test_agrees_with_the_torch_path(kernel: PagedDecodeKernel) -> None:
     lens = [40, 200, 13]
-    q, k_pool, v_pool, tables = make_case(dtype=torch.float32, lens=lens, seed=2)
-    batch = DecodeBatch.build(tables, lens, 16, "cpu")
-    native = NativeDecode(kernel)(q, k_pool, v_pool, batch, 0.125)
-    gathered = GatherDecode(torch.float32, "cpu")(q, k_pool, v_pool, batch, 0.125)
+    c = make_case(dtype=torch.float32, lens=lens, seed=2)
+    batch = DecodeBatch.build(c.tables, lens, 16, "cpu")
+    native = NativeDecode(kernel)(c.q, c.k_pool, c.v_pool, batch, 0.125)
+    gathered = GatherDecode(torch.float32, "cpu")(c.q, c.k_pool, c.v_pool, batch, 0.125)
     torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
 
 
 def test_rejects_arguments_it_would_misread(kernel: PagedDecodeKernel) -> None:
     lens = [20, 5]
-    q, k_pool, v_pool, tables = make_case(dtype=torch.float32, lens=lens)
-    batch = DecodeBatch.build(tables, lens, 16, "cpu")
+    c = make_case(dtype=torch.float32, lens=lens)
+    q, k_pool, v_pool = c.q, c.k_pool, c.v_pool
+    batch = DecodeBatch.build(c.tables, lens, 16, "cpu")
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="int64"):
         kernel(q, k_pool, v_pool, batch.tables.int(), batch.lens, 1.0, out)
