@@ -107,17 +107,248 @@ INLINE float exp_nonpositive(float x) {
 DEFINE_HEAD(head_f32, float, load_f32, store_f32)
 DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <math.h>
+
+/* AVX-512 path for head_dim a multiple of 16 (up to 256). Each K or V row is
+ * loaded and widened to fp32 once and used for a chunk of `gc` query heads; the
+ * chunk size and head_dim are compile-time constants in the specialized calls,
+ * so the per-head vectors live in registers. Every sum is taken in one fixed
+ * order (per-lane partial sums, then a fixed tree), so results stay independent
+ * of the batch and the thread count. */
+#define VMAX_CHUNK 16 /* 16-float vectors per row: head_dim <= 256 */
+#define VMAX_GROUP 8  /* query heads per chunk */
+
+INLINE __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE __m512 vload_bf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Blocks sit anywhere in the pool, so the hardware prefetcher cannot follow a
+ * table: while a block is read, the same rows of the block PREFETCH_BLOCKS
+ * further on are requested (two blocks ahead measured best here: one block of
+ * compute is shorter than a DRAM miss). Past the end it re-touches this block. */
+#define PREFETCH_BLOCKS 2
+
+INLINE int64_t block_ahead(const int64_t *table, int64_t bi, int64_t start, int64_t len,
+                           int64_t block_size) {
+    return table[start + PREFETCH_BLOCKS * block_size < len ? bi + PREFETCH_BLOCKS : bi];
+}
+
+INLINE void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)row + off, _MM_HINT_T0);
+}
+
+/* Vector form of exp_nonpositive, the same reduction and polynomial. */
+INLINE __m512 vexp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 y = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f));
+    __m512i ni = _mm512_cvttps_epi32(y);
+    __m512 n = _mm512_cvtepi32_ps(ni);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Lane i of the result is the sum of all lanes of a_i. Tokens never mix, and
+ * each input goes through the same additions whichever slot it is in. */
+INLINE __m128 vsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+    __m512 t = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores s[g, t] = q[g] . k[t] for query heads g < gc sharing one KV head,
+ * four tokens at a time so that one reduction serves four dot products. */
+#define DEFINE_SCORES(NAME, T, VLOAD)                                                       \
+    INLINE void NAME(const float *qf, const T *k, const int64_t *table, int64_t len,       \
+                     int64_t block_size, int64_t block_stride, int64_t tok_stride,          \
+                     const int64_t gc, const int64_t d, float *s, int64_t s_stride) {       \
+        const int64_t c = d / 16;                                                           \
+        for (int64_t start = 0, bi = 0; start < len; start += block_size, bi++) {          \
+            int64_t n = len - start < block_size ? len - start : block_size;              \
+            const T *kb = k + table[bi] * block_stride;                                    \
+            const T *kn = k + block_ahead(table, bi, start, len, block_size) * block_stride; \
+            for (int64_t t = 0; t < n; t += 4) {                                           \
+                int64_t m = n - t < 4 ? n - t : 4;                                         \
+                __m512 acc[VMAX_GROUP][4];                                                  \
+                for (int64_t u = 0; u < 4; u++) {                                          \
+                    if (u >= m) {                                                          \
+                        for (int64_t g = 0; g < gc; g++) acc[g][u] = _mm512_setzero_ps();  \
+                        continue;                                                          \
+                    }                                                                      \
+                    prefetch_row(kn + (t + u) * tok_stride, d * (int64_t)sizeof(T));       \
+                    const T *row = kb + (t + u) * tok_stride;                              \
+                    __m512 kr[VMAX_CHUNK];                                                  \
+                    for (int64_t j = 0; j < c; j++) kr[j] = VLOAD(row + 16 * j);           \
+                    for (int64_t g = 0; g < gc; g++) {                                     \
+                        __m512 a = _mm512_mul_ps(kr[0], _mm512_loadu_ps(qf + g * d));      \
+                        for (int64_t j = 1; j < c; j++)                                    \
+                            a = _mm512_fmadd_ps(kr[j], _mm512_loadu_ps(qf + g * d + 16 * j), a); \
+                        acc[g][u] = a;                                                     \
+                    }                                                                      \
+                }                                                                          \
+                for (int64_t g = 0; g < gc; g++) {                                         \
+                    __m128 r = vsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);          \
+                    _mm_mask_storeu_ps(s + g * s_stride + start + t, (__mmask8)((1u << m) - 1u), r); \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+/* acc[g] = sum_t p[g, t] * v[t] for query heads g < gc, written to out scaled by inv[g]. */
+#define DEFINE_VALUES(NAME, T, VLOAD, STORE)                                                \
+    INLINE void NAME(const float *p, int64_t p_stride, const T *v, const int64_t *table,   \
+                     int64_t len, int64_t block_size, int64_t block_stride,                \
+                     int64_t tok_stride, const int64_t gc, const int64_t d,                \
+                     const float *inv, T *out) {                                           \
+        const int64_t c = d / 16;                                                           \
+        __m512 acc[VMAX_GROUP][VMAX_CHUNK];                                                 \
+        for (int64_t g = 0; g < gc; g++)                                                   \
+            for (int64_t j = 0; j < c; j++) acc[g][j] = _mm512_setzero_ps();               \
+        for (int64_t start = 0, bi = 0; start < len; start += block_size, bi++) {          \
+            int64_t n = len - start < block_size ? len - start : block_size;              \
+            const T *vb = v + table[bi] * block_stride;                                    \
+            const T *vn = v + block_ahead(table, bi, start, len, block_size) * block_stride; \
+            for (int64_t t = 0; t < n; t++) {                                              \
+                prefetch_row(vn + t * tok_stride, d * (int64_t)sizeof(T));                 \
+                __m512 vr[VMAX_CHUNK];                                                      \
+                for (int64_t j = 0; j < c; j++) vr[j] = VLOAD(vb + t * tok_stride + 16 * j); \
+                for (int64_t g = 0; g < gc; g++) {                                         \
+                    __m512 pg = _mm512_set1_ps(p[g * p_stride + start + t]);               \
+                    for (int64_t j = 0; j < c; j++)                                        \
+                        acc[g][j] = _mm512_fmadd_ps(pg, vr[j], acc[g][j]);                 \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        for (int64_t g = 0; g < gc; g++) {                                                 \
+            float row[16];                                                                 \
+            for (int64_t j = 0; j < c; j++) {                                              \
+                _mm512_storeu_ps(row, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));   \
+                for (int i = 0; i < 16; i++) out[g * d + 16 * j + i] = STORE(row[i]);      \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+/* Turns scores into unnormalized probabilities exp(s - max) in place; returns 1 / sum. */
+INLINE float vsoftmax_unnormalized(float *s, int64_t len) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
+    __mmask16 tail = (__mmask16)((1u << (len - t)) - 1u);
+    vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, s + t));
+    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+        __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+        _mm512_storeu_ps(s + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mx));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+/* One (sequence, KV head) pair in chunks of gc query heads. scratch holds
+ * group * (d + 1 + ceil(len / block_size) * block_size) floats. */
+#define DEFINE_HEAD_V(NAME, T, SCORES, VALUES, LOAD)                                        \
+    INLINE void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
+                     int64_t len, int64_t block_size, int64_t block_stride,                \
+                     int64_t tok_stride, int64_t group, const int64_t gc, const int64_t d, \
+                     float scale, float *scratch) {                                        \
+        float *qf = scratch;             /* [group, d] */                                   \
+        float *inv = qf + group * d;     /* [group] */                                      \
+        float *s = inv + group;          /* [group, len] */                                 \
+        for (int64_t i = 0; i < group * d; i++) qf[i] = LOAD(q[i]) * scale;               \
+        for (int64_t g = 0; g < group; g += gc)                                            \
+            SCORES(qf + g * d, k, table, len, block_size, block_stride, tok_stride, gc, d, \
+                   s + g * len, len);                                                      \
+        for (int64_t g = 0; g < group; g++) inv[g] = vsoftmax_unnormalized(s + g * len, len); \
+        for (int64_t g = 0; g < group; g += gc)                                            \
+            VALUES(s + g * len, len, v, table, len, block_size, block_stride, tok_stride,  \
+                   gc, d, inv + g, out + g * d);                                           \
+    }
+
+DEFINE_SCORES(scores_f32, float, vload_f32)
+DEFINE_SCORES(scores_bf16, uint16_t, vload_bf16)
+DEFINE_VALUES(values_f32, float, vload_f32, store_f32)
+DEFINE_VALUES(values_bf16, uint16_t, vload_bf16, f32_to_bf16)
+DEFINE_HEAD_V(vhead_f32, float, scores_f32, values_f32, load_f32)
+DEFINE_HEAD_V(vhead_bf16, uint16_t, scores_bf16, values_bf16, bf16_to_f32)
+#define HAVE_VECTOR_HEAD 1
+#endif
+
+/* One task: picks the vector path where it applies, else the portable one.
+ * head_dim 64 and 128 (the common Llama sizes) and groups up to VMAX_GROUP are
+ * specialized so that the inner loops unroll into whole vector registers. */
+#if defined(HAVE_VECTOR_HEAD)
+#define VECTOR_CASES(VHEAD, D)                                                              \
+    switch (group) {                                                                        \
+    case 1: VHEAD(ARGS, group, 1, D, scale, scratch); return;                              \
+    case 2: VHEAD(ARGS, group, 2, D, scale, scratch); return;                              \
+    case 3: VHEAD(ARGS, group, 3, D, scale, scratch); return;                              \
+    case 4: VHEAD(ARGS, group, 4, D, scale, scratch); return;                              \
+    case 5: VHEAD(ARGS, group, 5, D, scale, scratch); return;                              \
+    case 6: VHEAD(ARGS, group, 6, D, scale, scratch); return;                              \
+    case 7: VHEAD(ARGS, group, 7, D, scale, scratch); return;                              \
+    case 8: VHEAD(ARGS, group, 8, D, scale, scratch); return;                              \
+    default: VHEAD(ARGS, group, 1, D, scale, scratch); return;                             \
+    }
+#define VECTOR_PATH(VHEAD)                                                                  \
+    if (d == 64) { VECTOR_CASES(VHEAD, 64) }                                                \
+    if (d == 128) { VECTOR_CASES(VHEAD, 128) }                                              \
+    if (d % 16 == 0 && d <= 16 * VMAX_CHUNK) {                                              \
+        VHEAD(ARGS, group, 1, d, scale, scratch);                                           \
+        return;                                                                             \
+    }
+#else
+#define VECTOR_PATH(VHEAD)
+#endif
+
+#define ARGS q, k, v, out, table, len, block_size, block_stride, tok_stride
+#define DEFINE_TASK(NAME, T, HEAD, VHEAD)                                                   \
+    static void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
+                     int64_t len, int64_t block_size, int64_t block_stride,                \
+                     int64_t tok_stride, int64_t group, int64_t d, float scale,            \
+                     float *scratch) {                                                     \
+        VECTOR_PATH(VHEAD)                                                                  \
+        if (d == 64)                                                                        \
+            HEAD(ARGS, group, 64, scale, scratch);                                          \
+        else if (d == 128)                                                                  \
+            HEAD(ARGS, group, 128, scale, scratch);                                         \
+        else                                                                                \
+            HEAD(ARGS, group, d, scale, scratch);                                           \
+    }
+
+DEFINE_TASK(task_f32, float, head_f32, vhead_f32)
+DEFINE_TASK(task_bf16, uint16_t, head_bf16, vhead_bf16)
+#undef ARGS
+
 /* Entry points return 0 on success, 1 on arguments they do not handle, 2 when
- * scratch memory cannot be had. head_dim is specialized for 64 and 128 (the
- * common Llama sizes) so the inner loops unroll into whole vector registers. */
-#define DEFINE_ENTRY(NAME, HEAD, T)                                                        \
+ * scratch memory cannot be had. */
+#define DEFINE_ENTRY(NAME, TASK, T)                                                        \
     int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *tables,          \
              const int64_t *lens, int64_t batch, int64_t width, int64_t heads,            \
              int64_t kv_heads, int64_t d, int64_t block_size, int64_t block_stride,       \
              float scale, int threads) {                                                  \
         if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0) return 1; \
         int64_t group = heads / kv_heads, tok_stride = kv_heads * d;                      \
-        int64_t per_thread = group * (d + width * block_size);                            \
+        int64_t per_thread = group * (d + 1 + width * block_size);                        \
         int failed = 0;                                                                   \
         _Pragma("omp parallel num_threads(threads) reduction(|: failed)")                 \
         {                                                                                 \
@@ -128,22 +359,14 @@ DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
                 for (int64_t h = 0; h < kv_heads; h++) {                                  \
                     if (scratch == NULL || lens[b] <= 0) continue;                        \
                     int64_t off = (b * heads + h * group) * d;                            \
-                    const T *qh = q + off, *kh = k + h * d, *vh = v + h * d;              \
-                    const int64_t *tb = tables + b * width;                               \
-                    if (d == 64)                                                          \
-                        HEAD(qh, kh, vh, out + off, tb, lens[b], block_size, block_stride, \
-                             tok_stride, group, 64, scale, scratch);                      \
-                    else if (d == 128)                                                    \
-                        HEAD(qh, kh, vh, out + off, tb, lens[b], block_size, block_stride, \
-                             tok_stride, group, 128, scale, scratch);                     \
-                    else                                                                  \
-                        HEAD(qh, kh, vh, out + off, tb, lens[b], block_size, block_stride, \
-                             tok_stride, group, d, scale, scratch);                       \
+                    TASK(q + off, k + h * d, v + h * d, out + off, tables + b * width,    \
+                         lens[b], block_size, block_stride, tok_stride, group, d, scale,  \
+                         scratch);                                                        \
                 }                                                                         \
             free(scratch);                                                                \
         }                                                                                 \
         return failed ? 2 : 0;                                                            \
     }
 
-DEFINE_ENTRY(baton_paged_decode_f32, head_f32, float)
-DEFINE_ENTRY(baton_paged_decode_bf16, head_bf16, uint16_t)
+DEFINE_ENTRY(baton_paged_decode_f32, task_f32, float)
+DEFINE_ENTRY(baton_paged_decode_bf16, task_bf16, uint16_t)

@@ -103,7 +103,15 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # atol = rtol
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 48, 4), (6, 1, 32, 1)],
+    [
+        (9, 3, 64, 16),  # the default model: vector path, head_dim and group specialized
+        (4, 4, 128, 16),
+        (32, 4, 128, 16),  # the largest specialized group
+        (16, 1, 64, 16),  # a group too large to specialize: one query head at a time
+        (8, 2, 48, 4),  # a head_dim the vector path takes unspecialized
+        (6, 1, 32, 1),
+        (10, 2, 40, 8),  # head_dim not a multiple of 16: the portable path
+    ],
 )
 def test_matches_reference(
     kernel: PagedDecodeKernel,
