@@ -19,6 +19,8 @@ from shared.errors import ConfigError
 DType = Literal["float32", "bfloat16", "float16"]
 # decode attention: the native C kernel (CPU), pure torch, or native where it builds
 AttentionBackend = Literal["auto", "native", "torch"]
+# weight GEMMs: oneDNN on prepacked weights (CPU), F.linear, or oneDNN where it runs
+LinearBackend = Literal["auto", "onednn", "torch"]
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -53,6 +55,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     attention: AttentionBackend = "auto"
+    linear: LinearBackend = "auto"
     kernel_dir: Path = field(default_factory=lambda: default_cache_dir() / "kernels")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -85,6 +88,7 @@ class BatonSettings(BaseSettings):
     device: str = "cpu"
     num_threads: int | None = Field(default=None, ge=1)
     attention: AttentionBackend = "auto"
+    linear: LinearBackend = "auto"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=1024)
     kv_cache_gb: float = Field(default=1.0, gt=0)
@@ -130,6 +134,7 @@ class BatonSettings(BaseSettings):
             device=self.device,
             num_threads=self.num_threads,
             attention=self.attention,
+            linear=self.linear,
             kernel_dir=self.cache_dir / "kernels",
             cache=CacheConfig(
                 block_size=self.block_size,

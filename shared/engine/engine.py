@@ -126,6 +126,7 @@ class Engine:
             cache_dir=cache_dir or default_cache_dir(),
             dtype=config.dtype,
             device=config.device,
+            linear=config.linear,
             progress=progress,
         )
         return cls(loaded, config)

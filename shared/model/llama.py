@@ -18,24 +18,19 @@ from shared.kv.kv_cache import KVCache
 from shared.model.arch import LlamaArch
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.decode_attention import DecodeAttention
+from shared.model.linear import Linear
 from shared.model.rope import Rope
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor
+    # the GEMM weights are as the model's Linear packed them
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o_proj: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
-
-
-# fp32 CPU GEMMs of 2 or 3 rows take a slower path in MKL than 4 rows do (over one
-# forward's weights, 1 thread: 44 / 49 ms vs 40 ms; bf16 shows no such step), and
-# 2-3 rows is a common decode batch, so such inputs are padded to 4 rows.
-SMALL_GEMM_ROWS = (2, 3)
-SMALL_GEMM_PAD_TO = 4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +40,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(
-        self, arch: LlamaArch, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+        self,
+        arch: LlamaArch,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str,
+        linear: Linear,
     ):
         self.arch = arch
         self.dtype = dtype
@@ -72,7 +72,9 @@ class LlamaModel:
             get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens"
         )
         self.final_norm = get("model.norm.weight")
-        self.lm_head = self.embed if a.tie_word_embeddings else get("lm_head.weight")
+        self.gemm = linear
+        # tied: the embedding stays dense for lookups, the head gets its own packed copy
+        self.lm_head = linear.pack(self.embed if a.tie_word_embeddings else get("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(a.num_layers):
             p = f"model.layers.{i}."
@@ -84,22 +86,15 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=get(p + "input_layernorm.weight"),
-                    qkv=torch.cat([q, k, v]).contiguous(),
-                    o_proj=get(p + "self_attn.o_proj.weight"),
+                    qkv=linear.pack(torch.cat([q, k, v])),
+                    o_proj=linear.pack(get(p + "self_attn.o_proj.weight")),
                     post_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([gate, up]).contiguous(),
-                    down=get(p + "mlp.down_proj.weight"),
+                    gate_up=linear.pack(torch.cat([gate, up])),
+                    down=linear.pack(get(p + "mlp.down_proj.weight")),
                 )
             )
-        self.pad_small_gemm = dtype == torch.float32 and device == "cpu"
         self.rope = Rope(arch, dtype, device)
         self.scale = a.head_dim**-0.5
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.pad_small_gemm and rows in SMALL_GEMM_ROWS:
-            return F.linear(F.pad(x, (0, 0, 0, SMALL_GEMM_PAD_TO - rows)), weight)[:rows]
-        return F.linear(x, weight)
 
     @torch.inference_mode()
     def forward(
@@ -125,7 +120,7 @@ class LlamaModel:
         cos, sin = self.rope.at(positions)
         for idx, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
-            qkv = self.linear(x, lw.qkv)
+            qkv = self.gemm(x, lw.qkv)
             q = Rope.apply(qkv[:, :q_dim].view(n, a.num_heads, a.head_dim), cos, sin)
             k = Rope.apply(
                 qkv[:, q_dim : q_dim + kv_dim].view(n, a.num_kv_heads, a.head_dim), cos, sin
@@ -136,9 +131,9 @@ class LlamaModel:
             if on_layer is not None:
                 on_layer(idx)
             attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, decode)
-            h = h + self.linear(attn.reshape(n, q_dim), lw.o_proj)
+            h = h + self.gemm(attn.reshape(n, q_dim), lw.o_proj)
             x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
-            gate, up = self.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, lw.down)
+            gate, up = self.gemm(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + self.gemm(F.silu(gate) * up, lw.down)
         last = rms_norm(h[logits_rows], self.final_norm, a.rms_norm_eps)
-        return self.linear(last, self.lm_head).float()
+        return self.gemm(last, self.lm_head).float()

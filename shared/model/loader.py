@@ -7,9 +7,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.config import LinearBackend
 from shared.errors import ConfigError, ModelFormatError
 from shared.kv.layout import torch_dtype
 from shared.model.arch import LlamaArch
+from shared.model.linear import select_linear
 from shared.model.llama import LlamaModel
 from shared.model.registry import ResolvedModel, resolve
 from shared.model.tokenizer import Tokenizer
@@ -33,10 +35,11 @@ def load_model(
     cache_dir: Path,
     dtype: str = "float32",
     device: str = "cpu",
+    linear: LinearBackend = "auto",
     progress: bool = True,
 ) -> LoadedModel:
     resolved = resolve(spec, cache_dir, progress=progress)
-    return load_resolved(resolved, dtype=dtype, device=device)
+    return load_resolved(resolved, dtype=dtype, device=device, linear=linear)
 
 
 def _read_arch(folder: Path) -> LlamaArch:
@@ -47,14 +50,17 @@ def _read_arch(folder: Path) -> LlamaArch:
     return LlamaArch.from_hf_config(cfg)
 
 
-def load_resolved(resolved: ResolvedModel, *, dtype: str, device: str) -> LoadedModel:
+def load_resolved(
+    resolved: ResolvedModel, *, dtype: str, device: str, linear: LinearBackend = "auto"
+) -> LoadedModel:
     if device == "cpu" and dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
     t0 = time.perf_counter()
     arch = _read_arch(resolved.folder)
     tokenizer = Tokenizer.from_folder(resolved.folder)
     state = load_state_dict(resolved.folder)
-    model = LlamaModel(arch, state, torch_dtype(dtype), device)
+    dt = torch_dtype(dtype)
+    model = LlamaModel(arch, state, dt, device, select_linear(linear, dt, device))
     return LoadedModel(
         name=resolved.name,
         identity=resolved.identity,

@@ -1,0 +1,115 @@
+"""Weight GEMMs: how the model multiplies activations by its weight matrices.
+
+Two implementations of one boundary. :class:`OneDNNLinear` prepacks each
+weight once into oneDNN's blocked layout and runs oneDNN's matmul on it; on CPU
+that is 2.4x faster than ``F.linear`` in fp32 (torch's fp32 GEMM goes to MKL,
+which takes AVX2 code on non-Intel CPUs, while oneDNN picks kernels by ISA),
+and it skips the per-call weight reorder ``F.linear`` does in bf16.
+:class:`TorchLinear` is ``F.linear`` and runs anywhere. :func:`select_linear`
+picks one for a model.
+
+Ownership: :meth:`Linear.pack` is called once per weight at load; the model
+keeps what it returns for its lifetime (the dense weight may be dropped) and
+hands it back on every call. Packed weights are read-only and may be used by
+several threads at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from shared.config import LinearBackend
+from shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# MKL's fp32 GEMMs of 2 or 3 rows take a slower path than 4 rows do (over one
+# forward's weights, 1 thread: 44 / 49 ms vs 40 ms; bf16 shows no such step), and
+# 2-3 rows is a common decode batch, so TorchLinear pads such inputs to 4 rows.
+SMALL_GEMM_ROWS = (2, 3)
+SMALL_GEMM_PAD_TO = 4
+
+
+class Linear(ABC):
+    name: str
+
+    @abstractmethod
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight``: ``[out, in]`` dense; returns what :meth:`__call__` takes."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[rows, in]``; returns ``x @ weight.T`` as a new ``[rows, out]`` tensor."""
+
+
+class TorchLinear(Linear):
+    name = "torch"
+
+    def __init__(self, pad_small_gemm: bool):
+        self.pad_small_gemm = pad_small_gemm
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.pad_small_gemm and rows in SMALL_GEMM_ROWS:
+            return F.linear(F.pad(x, (0, 0, 0, SMALL_GEMM_PAD_TO - rows)), packed)[:rows]
+        return F.linear(x, packed)
+
+
+class OneDNNLinear(Linear):
+    """oneDNN matmul on weights prepacked for it (the ops torch's own compiler
+    uses for frozen CPU linears). Private torch ops: :meth:`probe` checks them
+    on this build and CPU before a model relies on them."""
+
+    name = "onednn"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    @classmethod
+    def probe(cls, dtype: torch.dtype) -> str | None:
+        """Why this torch build or CPU cannot run it in ``dtype``; None when it can."""
+        if not torch.backends.mkldnn.is_available():
+            return "torch was built without oneDNN"
+        ops = torch.ops.mkldnn
+        if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+            return "this torch build lacks the prepacked oneDNN linear ops"
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(24, 40, generator=gen).to(dtype)
+        x = torch.randn(5, 40, generator=gen).to(dtype)
+        try:
+            got = cls()(x, cls().pack(weight))
+        except RuntimeError as e:
+            return f"oneDNN linear failed in {dtype}: {e}"
+        want = F.linear(x.float(), weight.float())
+        if got.shape != want.shape or not torch.allclose(got.float(), want, atol=0.05, rtol=0.02):
+            return f"oneDNN linear gave wrong results in {dtype}"
+        return None
+
+
+def select_linear(backend: LinearBackend, dtype: torch.dtype, device: str) -> Linear:
+    """``onednn`` (an error where it cannot run), ``torch``, or ``auto``: oneDNN on
+    CPU where it runs, torch otherwise."""
+    torch_linear = TorchLinear(pad_small_gemm=dtype == torch.float32 and device == "cpu")
+    if backend == "torch" or (backend == "auto" and device != "cpu"):
+        return torch_linear
+    problem = (
+        f"oneDNN linear runs on the CPU, not {device}"
+        if device != "cpu"
+        else OneDNNLinear.probe(dtype)
+    )
+    if problem is None:
+        return OneDNNLinear()
+    if backend == "onednn":
+        raise ConfigError(f"the oneDNN linear backend is unavailable: {problem}")
+    log.warning("oneDNN linear unavailable, using torch: %s", problem)
+    return torch_linear
