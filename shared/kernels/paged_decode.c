@@ -370,3 +370,22 @@ DEFINE_TASK(task_bf16, uint16_t, head_bf16, vhead_bf16)
 
 DEFINE_ENTRY(baton_paged_decode_f32, task_f32, float)
 DEFINE_ENTRY(baton_paged_decode_bf16, task_bf16, uint16_t)
+
+/* Decode K/V writes: row i of k_new / v_new (kv_heads * head_dim values,
+ * row_bytes long; rows src_stride bytes apart) goes to token offsets[i] of
+ * block blocks[i]. Plain copies, so the pool holds exactly what an indexed
+ * write would store. Returns 1, writing nothing, when an index is out of range. */
+int baton_paged_write(const char *k_new, const char *v_new, int64_t k_src_stride,
+                      int64_t v_src_stride, char *k, char *v, const int64_t *blocks,
+                      const int64_t *offsets, int64_t n, int64_t num_blocks, int64_t block_size,
+                      int64_t row_bytes, int64_t block_stride) {
+    for (int64_t i = 0; i < n; i++)
+        if (blocks[i] < 0 || blocks[i] >= num_blocks || offsets[i] < 0 || offsets[i] >= block_size)
+            return 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = blocks[i] * block_stride + offsets[i] * row_bytes;
+        memcpy(k + at, k_new + i * k_src_stride, (size_t)row_bytes);
+        memcpy(v + at, v_new + i * v_src_stride, (size_t)row_bytes);
+    }
+    return 0;
+}

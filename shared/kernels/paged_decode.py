@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +21,21 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+_WRITE_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    _P,
+    _P,
+    _I,
+    _I,
+    _P,
+    _P,
+    _P,
+    _P,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+]
 
 
 class PagedDecodeKernel:
@@ -40,6 +56,9 @@ class PagedDecodeKernel:
             fn.argtypes = _ARGTYPES
             fn.restype = ctypes.c_int
             self._entry[dtype] = fn
+        self._write = lib.baton_paged_write
+        self._write.argtypes = _WRITE_ARGTYPES
+        self._write.restype = ctypes.c_int
 
     @classmethod
     def build(cls, kernel_dir: Path) -> PagedDecodeKernel:
@@ -87,6 +106,67 @@ class PagedDecodeKernel:
             raise MemoryError("paged decode kernel could not allocate its scratch memory")
         if rc != 0:
             raise ValueError(f"paged decode kernel rejected its arguments (code {rc})")
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> None:
+        """Row ``i`` of ``k``/``v`` (``[N, kv_heads, head_dim]``, rows may be strided)
+        into token ``offsets[i]`` of block ``blocks[i]`` of the pools; what
+        ``k_pool[blocks, offsets] = k`` stores, without the indexing machinery."""
+        n = k.shape[0]
+        _check_write(k, v, k_pool, v_pool, blocks, offsets)
+        item = k.element_size()
+        rc = self._write(
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0) * item,
+            v.stride(0) * item,
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            blocks.data_ptr(),
+            offsets.data_ptr(),
+            n,
+            k_pool.shape[0],
+            k_pool.shape[1],
+            k_pool.shape[2] * k_pool.shape[3] * item,
+            k_pool.stride(0) * item,
+        )
+        if rc != 0:
+            raise IndexError("paged K/V write: a block or offset is outside the pool")
+
+
+def _check_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    n = k.shape[0]
+    _, _, kv_heads, head_dim = k_pool.shape
+    row = (kv_heads, head_dim)
+    inner = (kv_heads * head_dim, head_dim, 1)
+    problems = [
+        (k.device.type != "cpu" or k_pool.device.type != "cpu", "tensors must be on the CPU"),
+        (len({k.dtype, v.dtype, k_pool.dtype, v_pool.dtype}) != 1, "dtypes"),
+        (k.shape[1:] != row or v.shape != k.shape, "row shape"),
+        (k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1), "rows must be dense"),
+        (k_pool.stride()[1:] != inner or v_pool.stride()[1:] != inner, "pool inner layout"),
+        (k_pool.stride(0) != v_pool.stride(0) or v_pool.shape != k_pool.shape, "K/V pools differ"),
+        (blocks.dtype != torch.int64 or not blocks.is_contiguous(), "blocks must be int64"),
+        (offsets.dtype != torch.int64 or not offsets.is_contiguous(), "offsets must be int64"),
+        (blocks.shape != (n,) or offsets.shape != (n,), "one block and offset per row"),
+    ]
+    bad = [what for failed, what in problems if failed]
+    if bad:
+        raise ValueError(f"paged K/V write: bad arguments: {', '.join(bad)}")
 
 
 def _check(

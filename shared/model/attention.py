@@ -144,18 +144,18 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     meta: AttentionMetadata,
+    decode: DecodeAttention,
 ) -> None:
     """Store the new tokens' K/V (``[N, kv_heads, head_dim]``) into their slots.
 
-    Decode rows scatter with one indexed write. Prefill rows are contiguous
+    Decode rows scatter in one call of the decode attention's writer. Prefill rows are contiguous
     within a block: whole blocks go in with one ``index_copy_`` per run of them,
     partly filled ones with a slice copy each (a per-token indexed write of a
     long prompt is ~10x slower on CPU).
     """
     b = meta.num_decodes
     if b:
-        k_pool[meta.slot_blocks, meta.slot_offsets] = k[:b]
-        v_pool[meta.slot_blocks, meta.slot_offsets] = v[:b]
+        decode.write(k_pool, v_pool, k[:b], v[:b], meta.slot_blocks, meta.slot_offsets)
     block_shape = k_pool.shape[1:]
     for br in meta.block_runs:
         rows = slice(br.row, br.row + br.blocks.shape[0] * block_shape[0])

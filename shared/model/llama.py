@@ -127,7 +127,7 @@ class LlamaModel:
             )
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
-            write_kv(k_pool, v_pool, k, v, meta)
+            write_kv(k_pool, v_pool, k, v, meta, decode)
             if on_layer is not None:
                 on_layer(idx)
             attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, decode)

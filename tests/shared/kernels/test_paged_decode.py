@@ -177,6 +177,41 @@ def test_rejects_arguments_it_would_misread(kernel: PagedDecodeKernel) -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_stores_what_an_indexed_write_stores(
+    kernel: PagedDecodeKernel, dtype: torch.dtype
+) -> None:
+    c = make_case(dtype=dtype, lens=[40, 40, 40, 40], seed=3)
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(4, 15 * 64, generator=g).to(dtype)  # rows strided, as the model's are
+    k = qkv[:, 9 * 64 : 12 * 64].view(4, 3, 64)
+    v = qkv[:, 12 * 64 :].view(4, 3, 64)
+    blocks = torch.tensor([t[1] for t in c.tables], dtype=torch.int64)
+    offsets = torch.tensor([0, 5, 15, 7], dtype=torch.int64)
+    want_k, want_v = c.k_pool.clone(), c.v_pool.clone()
+    want_k[blocks, offsets] = k
+    want_v[blocks, offsets] = v
+    kernel.write(k, v, c.k_pool, c.v_pool, blocks, offsets)
+    assert torch.equal(c.k_pool, want_k) and torch.equal(c.v_pool, want_v)  # nothing else moved
+    NativeDecode(kernel).write(c.k_pool, c.v_pool, v, k, blocks, offsets)
+    assert torch.equal(c.k_pool[blocks, offsets], v) and torch.equal(c.v_pool[blocks, offsets], k)
+
+
+def test_write_refuses_indexes_outside_the_pool(kernel: PagedDecodeKernel) -> None:
+    c = make_case(dtype=torch.float32, lens=[16])
+    k = torch.ones(2, 3, 64)
+    before = c.k_pool.clone()
+    for blocks, offsets in (([0, c.k_pool.shape[0]], [0, 0]), ([0, 0], [0, 16]), ([-1, 0], [0, 0])):
+        with pytest.raises(IndexError, match="outside the pool"):
+            kernel.write(k, k, c.k_pool, c.v_pool, torch.tensor(blocks), torch.tensor(offsets))
+    assert torch.equal(c.k_pool, before)  # checked before anything is written
+    with pytest.raises(ValueError, match="one block and offset per row"):
+        kernel.write(k, k, c.k_pool, c.v_pool, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel.write(k.double(), k.double(), c.k_pool, c.v_pool, torch.tensor([0, 1]),
+                     torch.tensor([0, 1]))  # fmt: skip
+
+
 @needs_cc
 def test_library_is_built_once_per_machine(tmp_path: Path) -> None:
     first = build_library(SOURCE, tmp_path)
