@@ -7,7 +7,9 @@ is allocated once at start-up and never grows.
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import mmap
+
 import torch
 
 from shared.kv.layout import KVLayout
@@ -16,11 +18,14 @@ from shared.kv.layout import KVLayout
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     if device != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # numpy.zeros is calloc: pages are zero-filled lazily by the OS, so a large
-    # pool costs nothing until used (torch.zeros would touch every page now).
+    # An anonymous mapping: zero-filled lazily by the OS, so a large pool costs
+    # nothing until used (torch.zeros would touch every page now), and page-aligned.
+    # numpy.zeros was lazy too but its data starts 16 bytes into a page, which puts
+    # every 64-byte K/V row across two cache lines: decode attention ran 2x slower.
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    mapping = mmap.mmap(-1, math.prod(shape) * itemsize)
+    # the tensor holds a reference to the mapping, which lives as long as the pool
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 PAGE_BYTES = 4096
