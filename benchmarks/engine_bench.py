@@ -5,6 +5,11 @@ sizes (context 512), for each dtype and thread count. Every figure is the
 median of ``--repeats`` runs, and each of ours is printed as a time ratio to
 transformers measured right beside it (ratio < 1.0: we are faster).
 
+Batch scaling (decode throughput at batch 32 over batch 1) is measured the same
+way: two engines on the same weights, one decoding 1 sequence and one 32,
+their windows alternated, so the ratio is not skewed by the machine's noise
+drifting between the two batch sizes' runs.
+
     python -m benchmarks.engine_bench --out bench-results/engine.json
 """
 
@@ -120,7 +125,6 @@ class Transformers:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def start_decode(self, batch: int, ctx: int, total_steps: int) -> None:
         out = self.model(self._fresh(ctx, batch), use_cache=True, logits_to_keep=1)
         self._past = out.past_key_values
@@ -175,7 +179,42 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]:
             ref.end_decode()
             rows.append(_row("decode", dtype, threads, b, b * args.steps, t_ours, t_ref))
             _print(rows[-1])
+        if 1 in args.batch and SCALING_BATCH in args.batch:
+            rows.append(scaling(loaded, dtype, threads, args))
+            print(
+                f"scaling {dtype:8s} threads={threads} batch {SCALING_BATCH} over batch 1, "
+                f"paired: {rows[-1]['batch32_over_batch1']:.2f}x",
+                flush=True,
+            )
     return rows
+
+
+SCALING_BATCH = 32
+
+
+def scaling(
+    loaded: LoadedModel, dtype: str, threads: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Decode throughput at batch 32 over batch 1, from alternated windows of two engines."""
+    one, many = Ours(loaded, dtype), Ours(loaded, dtype)
+    total = args.steps * (args.repeats + 1)
+    one.start_decode(1, args.ctx, total)
+    many.start_decode(SCALING_BATCH, args.ctx, total)
+    t_many, t_one = paired(
+        partial(many.decode_window, args.steps),
+        partial(one.decode_window, args.steps),
+        args.repeats,
+    )
+    one.end_decode()
+    many.end_decode()
+    return {
+        "kind": "scaling",
+        "dtype": dtype,
+        "threads": threads,
+        "batch1_tok_s": args.steps / t_one,
+        "batch32_tok_s": SCALING_BATCH * args.steps / t_many,
+        "batch32_over_batch1": SCALING_BATCH * t_one / t_many,
+    }
 
 
 def _row(
@@ -203,16 +242,19 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Batch-32 over batch-1 decode throughput per dtype and thread count: the paired
+    measurement where one ran, else the ratio of the two separate decode rows."""
     out: dict[str, Any] = {}
-    for dtype in {r["dtype"] for r in results}:
-        for threads in {r["threads"] for r in results}:
-            dec = {
-                r["size"]: r["ours_tok_s"]
-                for r in results
-                if r["kind"] == "decode" and r["dtype"] == dtype and r["threads"] == threads
-            }
-            if 1 in dec and 32 in dec:
-                out[f"{dtype}/t{threads}/batch32_over_batch1"] = dec[32] / dec[1]
+    for dtype in sorted({r["dtype"] for r in results}):
+        for threads in sorted({r["threads"] for r in results}):
+            mine = [r for r in results if r["dtype"] == dtype and r["threads"] == threads]
+            dec = {r["size"]: r["ours_tok_s"] for r in mine if r["kind"] == "decode"}
+            paired_rows = [r for r in mine if r["kind"] == "scaling"]
+            key = f"{dtype}/t{threads}/batch32_over_batch1"
+            if paired_rows:
+                out[key] = paired_rows[-1]["batch32_over_batch1"]
+            elif 1 in dec and SCALING_BATCH in dec:
+                out[key] = dec[SCALING_BATCH] / dec[1]
     return out
 
 
