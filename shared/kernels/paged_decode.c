@@ -194,7 +194,8 @@ INLINE __m128 vsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
                     prefetch_row(kn + (t + u) * tok_stride, d * (int64_t)sizeof(T));       \
                     const T *row = kb + (t + u) * tok_stride;                              \
                     __m512 kr[VMAX_CHUNK];                                                  \
-                    for (int64_t j = 0; j < c; j++) kr[j] = VLOAD(row + 16 * j);           \
+                    kr[0] = VLOAD(row); /* c >= 1: no read of an unset register */         \
+                    for (int64_t j = 1; j < c; j++) kr[j] = VLOAD(row + 16 * j);           \
                     for (int64_t g = 0; g < gc; g++) {                                     \
                         __m512 a = _mm512_mul_ps(kr[0], _mm512_loadu_ps(qf + g * d));      \
                         for (int64_t j = 1; j < c; j++)                                    \
