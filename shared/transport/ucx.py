@@ -57,12 +57,14 @@ from shared.transport.base import (
     decode_sizes,
     encode_preamble,
 )
-from shared.transport.ucx_progress import Completions, Poster, install
+from shared.transport.ucx_progress import Completions, Posted, Poster, install
 
 log = logging.getLogger(__name__)
 
 CONTROL_INLINE_BYTES = 64 << 10
 COALESCE_BYTES = 256 << 10
+# after an abort, how long a cancelled operation waits for UCX to release its buffers
+SETTLE_S = 5.0
 FLAG_LARGE = 1
 DEFAULT_UCX_OPTIONS = {
     "TLS": "tcp,cma",
@@ -106,6 +108,15 @@ def plan_groups(sizes: Sequence[int], coalesce: int = COALESCE_BYTES) -> list[Gr
     return [g for g in groups if g.nbytes > 0]
 
 
+async def _settle(posted: Sequence[Posted], peer: str) -> None:
+    pending = [p.settled for p in posted if not p.settled.done()]
+    if not pending:
+        return
+    _, late = await asyncio.wait(pending, timeout=SETTLE_S)
+    if late:  # their buffers stay referenced by Completions until UCX completes them
+        log.warning("%d UCX requests to %s still pending after abort", len(late), peer)
+
+
 def _ucx() -> Any:
     return importlib.import_module("ucxx")
 
@@ -141,9 +152,11 @@ class UcxConnection(Connection):
         wait for all of them."""
         if self.closed:
             raise PeerLostError(f"connection to {self.peer} is closed")
+        posted: list[Posted] = []
         try:
             if self._poster is not None:
-                futures = [self._poster.post(self._ep, op, b) for b in buffers]
+                posted = [self._poster.post(self._ep, op, b) for b in buffers]
+                futures = [p.result for p in posted]
                 self._poster.kick(self._ep)
             else:  # UCXX's own waiting (UCXPY_PROGRESS_MODE set)
                 call = self._ep.send if op == "send" else self._ep.recv
@@ -151,8 +164,11 @@ class UcxConnection(Connection):
             results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
             # A cancelled UCX request may still be matched later: abort the
-            # endpoint so nothing writes into the caller's buffer afterwards.
+            # endpoint (UCXX cancels its requests) and wait until UCX has let go
+            # of every buffer, so nothing writes into the caller's memory (KV
+            # blocks that are about to be reused) after this returns.
             self._abort()
+            await _settle(posted, self.peer)
             raise
         except self._lost as exc:
             self._abort()

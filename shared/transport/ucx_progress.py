@@ -27,38 +27,56 @@ from __future__ import annotations
 import asyncio
 import importlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import ConfigError
 
 
+@dataclass
+class Posted:
+    """One posted UCX request. ``result`` is for the caller to await (it may cancel
+    it); ``settled`` resolves when UCX is done with ``buffer`` (completed, failed or
+    cancelled), and until then the buffer is kept alive here."""
+
+    request: Any
+    buffer: Any
+    result: asyncio.Future[None]
+    settled: asyncio.Future[None]
+
+
 class Completions:
-    """Futures of posted UCX requests, resolved after each worker progress."""
+    """Posted UCX requests, resolved after each worker progress. A request stays
+    tracked until UCX completes it, even when its waiter has gone: UCX may still
+    write into a receive buffer until then, so the buffer must not be freed (a
+    staging area freed under a pending receive corrupted the heap)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
+        self._pending: list[Posted] = []
 
-    def track(self, request: Any) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        return future
+    def track(self, request: Any, buffer: Any) -> Posted:
+        loop = asyncio.get_running_loop()
+        posted = Posted(request, buffer, loop.create_future(), loop.create_future())
+        self._pending.append(posted)
+        return posted
 
     def check(self) -> None:
         if not self._pending:
             return
         still = []
-        for request, future in self._pending:
-            if not request.completed:
-                still.append((request, future))
+        for posted in self._pending:
+            if not posted.request.completed:
+                still.append(posted)
                 continue
-            if future.done():
+            posted.settled.set_result(None)
+            if posted.result.done():
                 continue  # the waiter was cancelled
             try:
-                request.check_error()
+                posted.request.check_error()
             except BaseException as exc:  # UCX status -> the awaiting coroutine
-                future.set_exception(exc)
+                posted.result.set_exception(exc)
             else:
-                future.set_result(None)
+                posted.result.set_result(None)
         self._pending = still
 
 
@@ -138,7 +156,7 @@ class Poster:
         types = importlib.import_module("ucxx.types")
         self._array, self._tag, self._mask = arr.Array, types.Tag, types.TagMaskFull
 
-    def post(self, endpoint: Any, op: str, buf: Any) -> asyncio.Future[None]:
+    def post(self, endpoint: Any, op: str, buf: Any) -> Posted:
         ep = endpoint._ep
         if ep is None:
             raise ConnectionError("endpoint closed")
@@ -148,7 +166,7 @@ class Poster:
         else:
             tag = self._tag(endpoint._tags["msg_recv"])
             request = ep.tag_recv(self._array(buf), tag, self._mask)
-        return self.completions.track(request)
+        return self.completions.track(request, buf)
 
     def kick(self, endpoint: Any) -> None:
         """Progress once right after posting (sends often complete here)."""

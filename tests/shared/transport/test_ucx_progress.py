@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
@@ -24,7 +26,8 @@ class FakeRequest:
 async def test_futures_complete_only_after_their_request() -> None:
     completions = Completions()
     ok, bad, slow = FakeRequest(), FakeRequest(), FakeRequest()
-    futures = [completions.track(r) for r in (ok, bad, slow)]
+    posted = [completions.track(r, bytearray(8)) for r in (ok, bad, slow)]
+    futures = [p.result for p in posted]
     completions.check()
     assert not any(f.done() for f in futures)
     ok.completed = True
@@ -39,6 +42,37 @@ async def test_futures_complete_only_after_their_request() -> None:
     completions.check()
     await asyncio.sleep(0)
     assert futures[2].cancelled()
+    assert all(p.settled.done() for p in posted)
+
+
+async def test_a_buffer_is_held_until_ucx_lets_go_of_it() -> None:
+    """A receive whose waiter was cancelled keeps its buffer alive (UCX may still
+    write into it) until the request completes; then the buffer is released."""
+    completions = Completions()
+    request = FakeRequest()
+    buffer = bytearray(64)
+    alive = weakref.WeakValueDictionary[str, object]()
+    holder = Holder(buffer)
+    alive["buffer"] = holder
+    posted = completions.track(request, holder)
+    posted.result.cancel()
+    del holder
+    completions.check()
+    gc.collect()
+    assert "buffer" in alive and not posted.settled.done()
+    request.completed = True
+    completions.check()
+    assert posted.settled.done()
+    del posted
+    gc.collect()
+    assert "buffer" not in alive
+
+
+class Holder:
+    """A weak-referenceable stand-in for a receive buffer."""
+
+    def __init__(self, data: bytearray):
+        self.data = data
 
 
 def test_installed_ucxx_has_what_the_driver_needs(monkeypatch: pytest.MonkeyPatch) -> None:
