@@ -4,6 +4,7 @@ and its long-lived part is built, started and stopped by the app's lifespan."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,6 +68,9 @@ def _settings_error(exc: ValidationError) -> str:
 
 def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> None:
     """Build the app from the environment and serve it until SIGINT/SIGTERM."""
+    # a crash in native code (kernels, UCX) prints every thread's Python stack to
+    # stderr, which is the service's log, instead of ending the log mid-line
+    faulthandler.enable()
     level = os.environ.get("BATON_LOG_LEVEL", "info").upper()
     configure_logging(name, level=level, fmt=os.environ.get("BATON_LOG_FORMAT", "json"))
     cpus = os.environ.get("BATON_CPUS")

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -182,9 +183,9 @@ class Decoder(Worker):
             pull = asyncio.create_task(self._pull(job, blocks), name=f"pull:{req.request_id}")
             timeout = self.settings.first_token_timeout_s
             # a failed pull ends the request at once, not when the first token arrives
-            _, first = await asyncio.wait_for(
-                asyncio.gather(pull, asyncio.shield(job.first)), timeout
-            )
+            both = asyncio.gather(pull, asyncio.shield(job.first))
+            both.add_done_callback(_retrieved)
+            _, first = await asyncio.wait_for(both, timeout)
             await self.loop.call(self._join(job, first))
             self.decode_metrics.join_wait_s.observe(time.perf_counter() - job.arrival)
             tokens = TokenStream()
@@ -217,3 +218,10 @@ class Decoder(Worker):
 def _settle(fut: asyncio.Future[list[BlockId]], blocks: list[BlockId]) -> None:
     if not fut.done():
         fut.set_result(blocks)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a gather's outcome as seen: when the request is cancelled the gather ends
+    with CancelledError, which asyncio would otherwise log as an unretrieved error."""
+    if not fut.cancelled():
+        fut.exception()
