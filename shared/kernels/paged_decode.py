@@ -120,7 +120,27 @@ class PagedDecodeKernel:
         into token ``offsets[i]`` of block ``blocks[i]`` of the pools; what
         ``k_pool[blocks, offsets] = k`` stores, without the indexing machinery."""
         n = k.shape[0]
-        _check_write(k, v, k_pool, v_pool, blocks, offsets)
+        _, _, kv_heads, head_dim = k_pool.shape
+        row = (kv_heads, head_dim)
+        inner = (kv_heads * head_dim, head_dim, 1)
+        problems = [
+            (k.device.type != "cpu" or k_pool.device.type != "cpu", "tensors must be on the CPU"),
+            (len({k.dtype, v.dtype, k_pool.dtype, v_pool.dtype}) != 1, "dtypes"),
+            (k.shape[1:] != row or v.shape != k.shape, "row shape"),
+            (
+                k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1),
+                "rows must be dense",
+            ),
+            (k_pool.stride()[1:] != inner or v_pool.stride()[1:] != inner, "pool inner layout"),
+            (
+                k_pool.stride(0) != v_pool.stride(0) or v_pool.shape != k_pool.shape,
+                "K/V pools differ",
+            ),
+            (blocks.dtype != torch.int64 or not blocks.is_contiguous(), "blocks must be int64"),
+            (offsets.dtype != torch.int64 or not offsets.is_contiguous(), "offsets must be int64"),
+            (blocks.shape != (n,) or offsets.shape != (n,), "one block and offset per row"),
+        ]
+        _refuse("paged K/V write", problems)
         item = k.element_size()
         rc = self._write(
             k.data_ptr(),
@@ -139,34 +159,6 @@ class PagedDecodeKernel:
         )
         if rc != 0:
             raise IndexError("paged K/V write: a block or offset is outside the pool")
-
-
-def _check_write(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    blocks: torch.Tensor,
-    offsets: torch.Tensor,
-) -> None:
-    n = k.shape[0]
-    _, _, kv_heads, head_dim = k_pool.shape
-    row = (kv_heads, head_dim)
-    inner = (kv_heads * head_dim, head_dim, 1)
-    problems = [
-        (k.device.type != "cpu" or k_pool.device.type != "cpu", "tensors must be on the CPU"),
-        (len({k.dtype, v.dtype, k_pool.dtype, v_pool.dtype}) != 1, "dtypes"),
-        (k.shape[1:] != row or v.shape != k.shape, "row shape"),
-        (k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1), "rows must be dense"),
-        (k_pool.stride()[1:] != inner or v_pool.stride()[1:] != inner, "pool inner layout"),
-        (k_pool.stride(0) != v_pool.stride(0) or v_pool.shape != k_pool.shape, "K/V pools differ"),
-        (blocks.dtype != torch.int64 or not blocks.is_contiguous(), "blocks must be int64"),
-        (offsets.dtype != torch.int64 or not offsets.is_contiguous(), "offsets must be int64"),
-        (blocks.shape != (n,) or offsets.shape != (n,), "one block and offset per row"),
-    ]
-    bad = [what for failed, what in problems if failed]
-    if bad:
-        raise ValueError(f"paged K/V write: bad arguments: {', '.join(bad)}")
 
 
 def _check(
@@ -193,6 +185,10 @@ def _check(
         (lens.dtype != torch.int64 or lens.shape != (b,), "lens must be int64 [B]"),
         (b > 0 and int(lens.max()) > tables.shape[1] * block_size, "lens exceed the tables"),
     ]
-    bad = [what for failed, what in problems if failed]
+    _refuse("paged decode kernel", problems)
+
+
+def _refuse(what: str, problems: list[tuple[bool, str]]) -> None:
+    bad = [name for failed, name in problems if failed]
     if bad:
-        raise ValueError(f"paged decode kernel: bad arguments: {', '.join(bad)}")
+        raise ValueError(f"{what}: bad arguments: {', '.join(bad)}")
