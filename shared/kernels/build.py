@@ -1,11 +1,11 @@
 """Compile a C source shipped with the package into a shared library, once per machine.
 
 The library's name carries a hash of everything that decides its machine code:
-the source text, the compiler flags, the compiler's version and (because we
-build with ``-march=native``) the CPU's feature flags. Concurrent first users
-(several services starting at once) serialise on a lock file and all but one
-find the finished library; it is written to a temporary name and renamed, so a
-half-written library is never loaded.
+the source text and the headers beside it, the compiler flags, the compiler's
+version and (because we build with ``-march=native``) the CPU's feature flags.
+Concurrent first users (several services starting at once) serialise on a lock
+file and all but one find the finished library; it is written to a temporary
+name and renamed, so a half-written library is never loaded.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def build_library(source_path: Path, out_dir: Path) -> Path:
     neither compiles.
     """
     compiler = find_compiler()
-    source = source_path.read_text()
+    source = _source_text(source_path)
     attempts = [(*BASE_FLAGS, *OPENMP_FLAGS), BASE_FLAGS]
     errors: list[str] = []
     for flags in attempts:
@@ -102,6 +102,16 @@ def build_library(source_path: Path, out_dir: Path) -> Path:
                 return target
             errors.append(error)
     raise KernelBuildError(f"compiling {source_path.name} failed: {errors[-1]}")
+
+
+def _source_text(source_path: Path) -> str:
+    """The source and every header in its folder (what ``#include "..."`` can reach)."""
+    try:
+        parts = [source_path.read_text()]
+        parts += [h.read_text() for h in sorted(source_path.parent.glob("*.h"))]
+    except OSError as e:
+        raise KernelBuildError(f"cannot read kernel source {source_path}: {e}") from e
+    return "\0".join(parts)
 
 
 def _compile(compiler: str, flags: Sequence[str], source: Path, target: Path) -> str | None:

@@ -20,39 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
-    return c.f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16); /* nearest even, as torch */
-}
-
-INLINE float load_f32(float x) { return x; }
-INLINE float store_f32(float x) { return x; }
-
-/* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction and a
- * degree-6 polynomial, within 2 ulp; plain arithmetic so loops of it vectorize. */
-INLINE float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    int32_t ni = (int32_t)(x * 1.44269504f - 0.5f); /* truncation: round to nearest, x <= 0 */
-    float n = (float)ni;
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union { uint32_t u; float f; } scale = {.u = (uint32_t)(ni + 127) << 23};
-    return p * scale.f;
-}
+#include "vector_math.h"
 
 /* One (sequence, KV head) pair: its `group` query heads over `len` tokens.
  * scratch holds group * (d + ceil(len / block_size) * block_size) floats. */
@@ -108,8 +76,6 @@ DEFINE_HEAD(head_f32, float, load_f32, store_f32)
 DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-#include <math.h>
 
 /* AVX-512 path for head_dim a multiple of 16 (up to 256). Each K or V row is
  * loaded and widened to fp32 once and used for a chunk of `gc` query heads; the
@@ -139,25 +105,6 @@ INLINE int64_t block_ahead(const int64_t *table, int64_t bi, int64_t start, int6
 
 INLINE void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)row + off, _MM_HINT_T0);
-}
-
-/* Vector form of exp_nonpositive, the same reduction and polynomial. */
-INLINE __m512 vexp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 y = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f));
-    __m512i ni = _mm512_cvttps_epi32(y);
-    __m512 n = _mm512_cvtepi32_ps(ni);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 /* Lane i of the result is the sum of all lanes of a_i. Tokens never mix, and

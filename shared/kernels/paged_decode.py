@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import KernelBuildError
+from shared.kernels.binding import check_return, load_library, pool_problems, refuse
 from shared.kernels.build import build_library
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -42,10 +42,7 @@ class PagedDecodeKernel:
     """The compiled kernel, one entry point per storage dtype (fp32, bf16)."""
 
     def __init__(self, library: Path):
-        try:
-            lib = ctypes.CDLL(str(library))
-        except OSError as e:
-            raise KernelBuildError(f"cannot load kernel library {library}: {e}") from e
+        lib = load_library(library)
         self.library = library
         self._entry = {}
         for dtype, name in (
@@ -102,10 +99,7 @@ class PagedDecodeKernel:
             scale,
             torch.get_num_threads(),
         )
-        if rc == 2:
-            raise MemoryError("paged decode kernel could not allocate its scratch memory")
-        if rc != 0:
-            raise ValueError(f"paged decode kernel rejected its arguments (code {rc})")
+        check_return("paged decode kernel", rc)
 
     def write(
         self,
@@ -122,25 +116,20 @@ class PagedDecodeKernel:
         n = k.shape[0]
         _, _, kv_heads, head_dim = k_pool.shape
         row = (kv_heads, head_dim)
-        inner = (kv_heads * head_dim, head_dim, 1)
         problems = [
-            (k.device.type != "cpu" or k_pool.device.type != "cpu", "tensors must be on the CPU"),
+            *pool_problems(k_pool, v_pool),
+            (k.device.type != "cpu", "tensors must be on the CPU"),
             (len({k.dtype, v.dtype, k_pool.dtype, v_pool.dtype}) != 1, "dtypes"),
             (k.shape[1:] != row or v.shape != k.shape, "row shape"),
             (
                 k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1),
                 "rows must be dense",
             ),
-            (k_pool.stride()[1:] != inner or v_pool.stride()[1:] != inner, "pool inner layout"),
-            (
-                k_pool.stride(0) != v_pool.stride(0) or v_pool.shape != k_pool.shape,
-                "K/V pools differ",
-            ),
             (blocks.dtype != torch.int64 or not blocks.is_contiguous(), "blocks must be int64"),
             (offsets.dtype != torch.int64 or not offsets.is_contiguous(), "offsets must be int64"),
             (blocks.shape != (n,) or offsets.shape != (n,), "one block and offset per row"),
         ]
-        _refuse("paged K/V write", problems)
+        refuse("paged K/V write", problems)
         item = k.element_size()
         rc = self._write(
             k.data_ptr(),
@@ -171,24 +160,16 @@ def _check(
 ) -> None:
     """The kernel trusts raw pointers, so the layout it assumes is checked here."""
     b = q.shape[0]
-    _, block_size, kv_heads, head_dim = k_pool.shape
-    inner = (kv_heads * head_dim, head_dim, 1)
+    _, block_size, _, head_dim = k_pool.shape
     problems = [
+        *pool_problems(k_pool, v_pool),
         (q.device.type != "cpu", "tensors must be on the CPU"),
         (q.dtype != k_pool.dtype or q.dtype != v_pool.dtype or q.dtype != out.dtype, "dtypes"),
         (not q.is_contiguous() or not out.is_contiguous(), "q and out must be contiguous"),
         (out.shape != q.shape or q.shape[2] != head_dim, "q/out shape"),
-        (k_pool.stride()[1:] != inner or v_pool.stride()[1:] != inner, "pool inner layout"),
-        (k_pool.stride(0) != v_pool.stride(0) or v_pool.shape != k_pool.shape, "K/V pools differ"),
         (tables.dtype != torch.int64 or not tables.is_contiguous(), "tables must be int64"),
         (tables.dim() != 2 or tables.shape[0] != b, "tables shape"),
         (lens.dtype != torch.int64 or lens.shape != (b,), "lens must be int64 [B]"),
         (b > 0 and int(lens.max()) > tables.shape[1] * block_size, "lens exceed the tables"),
     ]
-    _refuse("paged decode kernel", problems)
-
-
-def _refuse(what: str, problems: list[tuple[bool, str]]) -> None:
-    bad = [name for failed, name in problems if failed]
-    if bad:
-        raise ValueError(f"{what}: bad arguments: {', '.join(bad)}")
+    refuse("paged decode kernel", problems)

@@ -11,28 +11,16 @@ import torch
 
 from shared.config import default_cache_dir
 from shared.errors import ConfigError, KernelBuildError
-from shared.kernels.build import build_library, find_compiler
+from shared.kernels.build import build_library
 from shared.kernels.paged_decode import SOURCE, PagedDecodeKernel
 from shared.model.attention import DecodeBatch
 from shared.model.decode_attention import GatherDecode, NativeDecode, select_decode_attention
-
-
-def _has_compiler() -> bool:
-    try:
-        find_compiler()
-    except KernelBuildError:
-        return False
-    return True
-
-
-# the engine falls back to the torch path without a C compiler (tested below); the
-# kernel itself can only be tested where one exists
-needs_cc = pytest.mark.skipif(not _has_compiler(), reason="no C compiler on this machine")
+from tests.shared.kernels.compiler import has_compiler, needs_cc
 
 
 @pytest.fixture(scope="module")
 def kernel() -> PagedDecodeKernel:
-    if not _has_compiler():
+    if not has_compiler():
         pytest.skip("no C compiler on this machine")
     return PagedDecodeKernel.build(default_cache_dir() / "kernels")
 

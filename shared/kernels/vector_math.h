@@ -1,0 +1,66 @@
+/* Scalar and AVX-512 helpers shared by the CPU attention kernels: bf16
+ * conversions as torch rounds, and exp for the non-positive arguments of a
+ * max-subtracted softmax. */
+#ifndef BATON_VECTOR_MATH_H
+#define BATON_VECTOR_MATH_H
+#include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
+    return c.f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16); /* nearest even, as torch */
+}
+
+INLINE float load_f32(float x) { return x; }
+INLINE float store_f32(float x) { return x; }
+
+/* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction and a
+ * degree-6 polynomial, within 2 ulp; plain arithmetic so loops of it vectorize. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    int32_t ni = (int32_t)(x * 1.44269504f - 0.5f); /* truncation: round to nearest, x <= 0 */
+    float n = (float)ni;
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { uint32_t u; float f; } scale = {.u = (uint32_t)(ni + 127) << 23};
+    return p * scale.f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <math.h>
+
+/* Vector form of exp_nonpositive, the same reduction and polynomial. */
+INLINE __m512 vexp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 y = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f));
+    __m512i ni = _mm512_cvttps_epi32(y);
+    __m512 n = _mm512_cvtepi32_ps(ni);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+#endif
+#endif
