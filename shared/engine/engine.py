@@ -32,7 +32,7 @@ from shared.kv.block_hash import BlockHasher
 from shared.kv.block_pool import BlockId, BlockPool
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
-from shared.model.decode_attention import select_decode_attention
+from shared.model.attention_impl import select_attention
 from shared.model.loader import LoadedModel, load_model
 
 
@@ -108,10 +108,10 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        decode = select_decode_attention(
-            config.attention, loaded.model.dtype, config.device, config.kernel_dir
+        attention = select_attention(
+            config.attention, loaded.model.dtype, arch.head_dim, config.device, config.kernel_dir
         )
-        self.runner = ModelRunner(loaded.model, self.kv_cache, decode)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, attention)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.timings: dict[RequestId, RequestTimings] = {}
         self._next_id = 0

@@ -20,7 +20,7 @@ from shared.model.attention import (
     group_by_width,
     split_whole_blocks,
 )
-from shared.model.decode_attention import DecodeAttention
+from shared.model.attention_impl import AttentionImpl
 from shared.model.llama import LlamaModel
 
 LayerHook = Callable[[int, SchedulerOutput], None]
@@ -126,10 +126,10 @@ def build_input(
 class ModelRunner:
     """Runs the model for one engine over its KV pool (which it owns for the engine's life)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, decode: DecodeAttention):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: AttentionImpl):
         self.model = model
         self.kv_cache = kv_cache
-        self.decode = decode
+        self.attention = attention
         self.block_size = kv_cache.layout.block_size
         self.device = model.device
 
@@ -137,7 +137,7 @@ class ModelRunner:
         self, step: SchedulerOutput, on_layer: LayerHook | None = None
     ) -> dict[RequestId, SampledToken]:
         inp = build_input(
-            step, self.block_size, self.device, split_decodes=self.decode.pads_to_width
+            step, self.block_size, self.device, split_decodes=self.attention.decode.pads_to_width
         )
         hook = None if on_layer is None else (lambda layer: on_layer(layer, step))
         logits = self.model.forward(
@@ -146,7 +146,7 @@ class ModelRunner:
             inp.meta,
             self.kv_cache,
             inp.logits_rows,
-            self.decode,
+            self.attention,
             hook,
         )
         if not inp.sampled:

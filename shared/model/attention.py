@@ -4,7 +4,7 @@ Rows of the flattened batch are ordered: all decode rows first (one new token
 each), then each prefill segment's rows (several new tokens, possibly on top
 of KV already in the pool: a cached prefix or earlier chunks). Decode rows go
 to a :class:`~shared.model.decode_attention.DecodeAttention` implementation;
-prefill segments use SDPA over their context.
+prefill segments to a :class:`~shared.model.prefill_attention.PrefillAttention`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from shared.model.attention_impl import AttentionImpl
     from shared.model.decode_attention import DecodeAttention
 
 
@@ -166,41 +166,6 @@ def write_kv(
         v_pool[r.block, r.offset : r.offset + r.length] = v[r.row : r.row + r.length]
 
 
-def _prefill(
-    q: torch.Tensor,
-    new_k: torch.Tensor,
-    new_v: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    seg: PrefillSegment,
-    scale: float,
-) -> torch.Tensor:
-    """``q``, ``new_k``, ``new_v``: the segment's new tokens, ``[n, heads, head_dim]``."""
-    prefix = seg.context_len - seg.num_new
-    if prefix == 0:  # nothing cached before: the new K/V are the whole context (same values)
-        keys, values = new_k.transpose(0, 1), new_v.transpose(0, 1)
-    else:
-        kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-        keys = k_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
-        values = v_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
-        keys = keys[: seg.context_len].transpose(0, 1)  # [kvh, T, hd]
-        values = values[: seg.context_len].transpose(0, 1)
-    mask = None
-    if prefix > 0:  # bottom-right aligned causal mask over the cached prefix + new rows
-        rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
-        mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        keys[None],
-        values[None],
-        attn_mask=mask,
-        is_causal=prefix == 0,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o[0].transpose(0, 1)
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,14 +174,14 @@ def paged_attention(
     v_pool: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    decode: DecodeAttention,
+    impl: AttentionImpl,
 ) -> torch.Tensor:
     """``q``: ``[N, heads, head_dim]``, ``k``/``v``: ``[N, kv_heads, head_dim]`` (already
     written to the pools ``[blocks, block_size, kv_heads, head_dim]``)."""
     out = torch.empty_like(q)
     for g in meta.decode:
-        out[g.start : g.end] = decode(q[g.start : g.end], k_pool, v_pool, g.batch, scale)
+        out[g.start : g.end] = impl.decode(q[g.start : g.end], k_pool, v_pool, g.batch, scale)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale)
+        out[rows] = impl.prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale)
     return out

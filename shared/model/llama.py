@@ -1,8 +1,8 @@
 """A Llama-family decoder in plain torch (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV pool.
 
 The model holds only its weights (engines may share one model); the caller
-passes the flattened ragged batch, the attention metadata, the KV pool and its
-decode attention implementation.
+passes the flattened ragged batch, the attention metadata, the KV pool and the
+attention implementations.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from shared.errors import ModelFormatError
 from shared.kv.kv_cache import KVCache
 from shared.model.arch import LlamaArch
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
-from shared.model.decode_attention import DecodeAttention
+from shared.model.attention_impl import AttentionImpl
 from shared.model.linear import Linear
 from shared.model.rope import Rope
 
@@ -104,7 +104,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv: KVCache,
         logits_rows: torch.Tensor,
-        decode: DecodeAttention,
+        attention: AttentionImpl,
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows.
@@ -127,10 +127,10 @@ class LlamaModel:
             )
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
-            write_kv(k_pool, v_pool, k, v, meta, decode)
+            write_kv(k_pool, v_pool, k, v, meta, attention.decode)
             if on_layer is not None:
                 on_layer(idx)
-            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, decode)
+            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention)
             h = h + self.gemm(attn.reshape(n, q_dim), lw.o_proj)
             x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
             gate, up = self.gemm(x, lw.gate_up).chunk(2, dim=-1)

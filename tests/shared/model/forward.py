@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from shared.config import EngineConfig
 from shared.engine.model_runner import prefill_runs
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
 from shared.model.attention import AttentionMetadata, PrefillSegment
-from shared.model.decode_attention import GatherDecode
+from shared.model.attention_impl import AttentionImpl, select_attention
 from shared.model.loader import LoadedModel
 
 BLOCK = 16
@@ -27,6 +28,7 @@ def prefill_logits(
     start: int = 0,
     cache: KVCache | None = None,
     blocks: list[int] | None = None,
+    attention: AttentionImpl | None = None,
 ) -> torch.Tensor:
     """Logits of every row of ``ids[start:]``, computed on top of KV already at ``[0, start)``."""
     cache = cache or new_cache(loaded)
@@ -41,7 +43,11 @@ def prefill_logits(
         decode=(),
         prefills=(PrefillSegment(0, n, torch.tensor(blocks[: -(-len(ids) // BLOCK)]), len(ids)),),
     )
-    decode = GatherDecode(loaded.model.dtype, loaded.model.device)  # unused: no decode rows
+    if attention is None:  # what an engine on this machine picks
+        model = loaded.model
+        attention = select_attention(
+            "auto", model.dtype, loaded.arch.head_dim, model.device, EngineConfig().kernel_dir
+        )
     return loaded.model.forward(
-        torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n), decode
+        torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n), attention
     )

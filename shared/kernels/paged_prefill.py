@@ -1,0 +1,103 @@
+"""ctypes binding of ``paged_prefill.c``: a prompt's attention over its context,
+K/V read through the block table.
+
+Ownership: the caller owns every tensor; the kernel only reads ``q``, the pools
+and ``table`` and writes ``out``, and returns before the call does (ctypes
+releases the GIL for its duration). The new tokens' K/V must already be in the
+pools.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from shared.kernels.binding import check_return, load_library, pool_problems, refuse
+from shared.kernels.build import build_library
+
+SOURCE = Path(__file__).with_name("paged_prefill.c")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ARGTYPES = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+MAX_HEAD_DIM = 256
+
+
+class PagedPrefillKernel:
+    """The compiled kernel, one entry point per storage dtype (fp32, bf16). It
+    needs AVX-512: :attr:`available` is False where the compiler did not target it."""
+
+    def __init__(self, library: Path):
+        lib = load_library(library)
+        self.library = library
+        lib.baton_paged_prefill_available.restype = ctypes.c_int
+        self.available = bool(lib.baton_paged_prefill_available())
+        self._entry = {}
+        if self.available:
+            for dtype, name in (
+                (torch.float32, "baton_paged_prefill_f32"),
+                (torch.bfloat16, "baton_paged_prefill_bf16"),
+            ):
+                fn = getattr(lib, name)
+                fn.argtypes = _ARGTYPES
+                fn.restype = ctypes.c_int
+                self._entry[dtype] = fn
+
+    @classmethod
+    def build(cls, kernel_dir: Path) -> PagedPrefillKernel:
+        # torch is loaded first, so the library shares torch's OpenMP runtime
+        return cls(build_library(SOURCE, kernel_dir))
+
+    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype in self._entry and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        table: torch.Tensor,
+        context_len: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """``q``/``out``: ``[n, heads, head_dim]``, the newest ``n`` tokens of a
+        sequence of ``context_len``; ``table``: its int64 block ids; pools: one
+        layer's ``[blocks, block_size, kv_heads, head_dim]`` views."""
+        n, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_pool.shape
+        problems = [
+            *pool_problems(k_pool, v_pool),
+            (q.device.type != "cpu", "tensors must be on the CPU"),
+            (len({q.dtype, out.dtype, k_pool.dtype, v_pool.dtype}) != 1, "dtypes"),
+            (not self.supports(q.dtype, head_dim), "dtype or head_dim unsupported"),
+            (not q.is_contiguous() or not out.is_contiguous(), "q and out must be contiguous"),
+            (out.shape != q.shape or k_pool.shape[3] != head_dim, "q/out shape"),
+            (heads % kv_heads != 0, "heads not a multiple of kv_heads"),
+            (not 0 < n <= context_len, "query rows outside the context"),
+            (table.dtype != torch.int64 or not table.is_contiguous(), "table must be int64"),
+            (table.shape != (-(-context_len // block_size),), "table length"),
+            (
+                table.numel() > 0 and (int(table.min()) < 0 or int(table.max()) >= k_pool.shape[0]),
+                "table outside the pool",
+            ),
+        ]
+        refuse("paged prefill kernel", problems)
+        rc = self._entry[q.dtype](
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            out.data_ptr(),
+            table.data_ptr(),
+            n,
+            context_len,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            k_pool.stride(0),
+            scale,
+            torch.get_num_threads(),
+        )
+        check_return("paged prefill kernel", rc)

@@ -1,0 +1,141 @@
+"""Prefill attention: a segment's new tokens against their sequence's context.
+
+Two implementations of one boundary. :class:`NativePrefill` runs the C kernel
+of :mod:`shared.kernels.paged_prefill`, which reads K/V through the block table
+in place; its results do not depend on how a prompt is chunked. :class:`SdpaPrefill`
+is torch's SDPA and runs anywhere (CUDA, CPUs without AVX-512).
+:func:`select_prefill_attention` picks one for an engine.
+
+Ownership: an instance belongs to one model runner and runs one call at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.config import AttentionBackend
+from shared.errors import ConfigError, KernelBuildError
+from shared.kernels.paged_prefill import PagedPrefillKernel
+from shared.model.attention import PrefillSegment
+
+log = logging.getLogger(__name__)
+
+
+class PrefillAttention(ABC):
+    name: str
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        seg: PrefillSegment,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q``, ``new_k``, ``new_v``: the segment's new tokens (``[n, heads | kv_heads,
+        head_dim]``), whose K/V are already in the pools too (one layer's ``[blocks,
+        block_size, kv_heads, head_dim]`` views). Returns ``[n, heads, head_dim]``;
+        safe to use as soon as the call returns."""
+
+
+class SdpaPrefill(PrefillAttention):
+    """torch SDPA over the context: the new K/V as they are when nothing was cached
+    before, else the sequence's blocks gathered from the pools."""
+
+    name = "sdpa"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        seg: PrefillSegment,
+        scale: float,
+    ) -> torch.Tensor:
+        prefix = seg.context_len - seg.num_new
+        if prefix == 0:  # nothing cached before: the new K/V are the whole context
+            keys, values = new_k.transpose(0, 1), new_v.transpose(0, 1)
+        else:
+            kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+            keys = k_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
+            values = v_pool.index_select(0, seg.block_table).view(-1, kv_heads, head_dim)
+            keys = keys[: seg.context_len].transpose(0, 1)  # [kvh, T, hd]
+            values = values[: seg.context_len].transpose(0, 1)
+        mask = None
+        if prefix > 0:  # bottom-right aligned causal mask over the cached prefix + new rows
+            rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
+            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=prefix == 0,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
+
+
+class NativePrefill(PrefillAttention):
+    """The C kernel: K/V read through the block table, fp32 math, 1.8-3x SDPA's
+    speed on CPU (``benchmarks/attention_bench.py``)."""
+
+    name = "native"
+
+    def __init__(self, kernel: PagedPrefillKernel):
+        self.kernel = kernel
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        seg: PrefillSegment,
+        scale: float,
+    ) -> torch.Tensor:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.kernel(q, k_pool, v_pool, seg.block_table, seg.context_len, scale, out)
+        return out
+
+
+def select_prefill_attention(
+    backend: AttentionBackend, dtype: torch.dtype, head_dim: int, device: str, kernel_dir: Path
+) -> PrefillAttention:
+    """``native`` (the C kernel, an error if it cannot run), ``torch`` (SDPA), or
+    ``auto``: native on CPU where it builds and supports the model, SDPA otherwise."""
+    if backend == "torch" or (backend == "auto" and device != "cpu"):
+        return SdpaPrefill()
+    problem = None
+    kernel = None
+    if device != "cpu":
+        problem = f"it runs on the CPU, not {device}"
+    else:
+        try:
+            kernel = PagedPrefillKernel.build(kernel_dir)
+        except KernelBuildError as e:
+            problem = str(e)
+        else:
+            if not kernel.available:
+                problem = "it needs a compiler targeting AVX-512"
+            elif not kernel.supports(dtype, head_dim):
+                problem = f"it does not support {dtype} with head_dim {head_dim}"
+    if kernel is not None and problem is None:
+        return NativePrefill(kernel)
+    if backend == "native":
+        raise ConfigError(f"the native prefill attention kernel is unavailable: {problem}")
+    log.info("native prefill attention unavailable (%s), using SDPA", problem)
+    return SdpaPrefill()

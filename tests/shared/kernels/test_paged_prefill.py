@@ -1,0 +1,215 @@
+"""The native paged prefill kernel against SDPA in float64, its invariances, and its selection."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.config import default_cache_dir
+from shared.errors import ConfigError
+from shared.kernels.build import build_library
+from shared.kernels.paged_prefill import SOURCE, PagedPrefillKernel
+from shared.model.attention import PrefillSegment
+from shared.model.prefill_attention import NativePrefill, SdpaPrefill, select_prefill_attention
+from tests.shared.kernels.compiler import has_compiler, needs_cc
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedPrefillKernel:
+    if not has_compiler():
+        pytest.skip("no C compiler on this machine")
+    built = PagedPrefillKernel.build(default_cache_dir() / "kernels")
+    if not built.available:
+        pytest.skip("the prefill kernel needs AVX-512, which this CPU lacks")
+    return built
+
+
+@dataclass(frozen=True)
+class Case:
+    q: torch.Tensor  # [n, heads, head_dim]: the newest n tokens of the context
+    k_pool: torch.Tensor  # one layer's [blocks, block_size, kv_heads, head_dim] view
+    v_pool: torch.Tensor
+    table: torch.Tensor  # int64 block ids of the context
+    context_len: int
+
+    @property
+    def scale(self) -> float:
+        return float(self.q.shape[2] ** -0.5)
+
+
+def make_case(
+    *,
+    dtype: torch.dtype,
+    n: int,
+    context_len: int,
+    heads: int = 9,
+    kv_heads: int = 3,
+    head_dim: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Case:
+    """K/V views of one layer of a 3-layer pool (blocks strided as in the engine),
+    the context's blocks shuffled through it."""
+    g = torch.Generator().manual_seed(seed)
+    need = -(-context_len // block_size)
+    num_blocks = need + 5
+    pool = torch.randn(num_blocks, 3, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:need].contiguous()
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    return Case(q, pool[:, 2, 0], pool[:, 2, 1], table, context_len)
+
+
+def sdpa(c: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SDPA over the gathered context, bottom-right causal, in ``dtype`` (default: the case's)."""
+    kv_heads, head_dim = c.k_pool.shape[2], c.k_pool.shape[3]
+    keys = c.k_pool[c.table].reshape(-1, kv_heads, head_dim)[: c.context_len]
+    values = c.v_pool[c.table].reshape(-1, kv_heads, head_dim)[: c.context_len]
+    q = c.q
+    if dtype is not None:
+        q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+    n = q.shape[0]
+    rows = torch.arange(n)[:, None] + c.context_len - n
+    mask = torch.arange(c.context_len)[None, :] <= rows
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=c.scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def run(kernel: PagedPrefillKernel, c: Case) -> torch.Tensor:
+    out = torch.empty_like(c.q)
+    kernel(c.q, c.k_pool, c.v_pool, c.table, c.context_len, c.scale, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 32), (12, 1, 32, 8), (24, 2, 48, 16)],
+)
+@pytest.mark.parametrize(("n", "context_len"), [(1, 1), (5, 5), (40, 40), (7, 50), (100, 333)])
+def test_as_accurate_as_sdpa(
+    kernel: PagedPrefillKernel,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    n: int,
+    context_len: int,
+) -> None:
+    """Fresh prompts (n == context) and prompts on a cached prefix; GQA groups
+    1-12 (a group of 12 spans several register blocks); block sizes other than a
+    key tile. The error against float64 is within twice SDPA's own."""
+    c = make_case(
+        dtype=dtype, n=n, context_len=context_len, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, block_size=block_size,
+    )  # fmt: skip
+    exact = sdpa(c, torch.float64)
+    ours = (run(kernel, c).double() - exact).abs().max().item()
+    theirs = (sdpa(c).double() - exact).abs().max().item()
+    assert ours <= max(2 * theirs, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_chunking_or_threads(
+    kernel: PagedPrefillKernel, dtype: torch.dtype
+) -> None:
+    """A prompt attended in one call, in uneven chunks (each on top of the
+    previous ones' K/V), and on 1 or 2 threads gives bitwise the same rows."""
+    c = make_case(dtype=dtype, n=300, context_len=300, seed=3)
+    whole = run(kernel, c)
+    pieces = []
+    for start, end in ((0, 37), (37, 38), (38, 200), (200, 300)):
+        table = c.table[: -(-end // 16)].contiguous()
+        pieces.append(
+            run(kernel, Case(c.q[start:end].contiguous(), c.k_pool, c.v_pool, table, end))
+        )
+    assert torch.equal(torch.cat(pieces), whole)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(run(kernel, c), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_and_sdpa_prefill_agree(kernel: PagedPrefillKernel) -> None:
+    """The two implementations of the boundary, on a segment over a cached prefix."""
+    c = make_case(dtype=torch.float32, n=20, context_len=70, seed=5)
+    seg = PrefillSegment(start=0, end=20, block_table=c.table, context_len=70)
+    kv_new = torch.empty(20, 3, 64)  # SDPA reads the pools when a prefix is cached
+    native = NativePrefill(kernel)(c.q, kv_new, kv_new, c.k_pool, c.v_pool, seg, c.scale)
+    plain = SdpaPrefill()(c.q, kv_new, kv_new, c.k_pool, c.v_pool, seg, c.scale)
+    torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_arguments_it_would_misread(kernel: PagedPrefillKernel) -> None:
+    c = make_case(dtype=torch.float32, n=10, context_len=40)
+    out = torch.empty_like(c.q)
+    bad = [
+        ("table length", lambda: kernel(c.q, c.k_pool, c.v_pool, c.table[:2].contiguous(), 40,
+                                        0.1, out)),
+        ("table outside the pool", lambda: kernel(c.q, c.k_pool, c.v_pool,
+                                                  torch.tensor([0, 1, 999]), 40, 0.1, out)),
+        ("query rows outside the context", lambda: kernel(c.q, c.k_pool, c.v_pool,
+                                                          c.table[:1].contiguous(), 5, 0.1, out)),
+        ("must be contiguous", lambda: kernel(c.q.transpose(1, 2).contiguous().transpose(1, 2),
+                                              c.k_pool, c.v_pool, c.table, 40, 0.1, out)),
+        ("dtypes", lambda: kernel(c.q.double(), c.k_pool, c.v_pool, c.table, 40, 0.1, out)),
+        ("table must be int64", lambda: kernel(c.q, c.k_pool, c.v_pool, c.table.int(), 40, 0.1,
+                                               out)),
+    ]  # fmt: skip
+    for match, call in bad:
+        with pytest.raises(ValueError, match=match):
+            call()
+    odd = make_case(dtype=torch.float32, n=4, context_len=4, head_dim=40, heads=2, kv_heads=1)
+    assert not kernel.supports(torch.float32, 40)
+    with pytest.raises(ValueError, match="head_dim unsupported"):
+        run(kernel, odd)
+
+
+def test_selection(kernel: PagedPrefillKernel, tmp_path: Path) -> None:
+    """auto: native on CPU for supported head dims, SDPA otherwise; native where it
+    cannot run is a clear error."""
+    kdir = default_cache_dir() / "kernels"
+    assert isinstance(
+        select_prefill_attention("auto", torch.float32, 64, "cpu", kdir), NativePrefill
+    )
+    assert isinstance(
+        select_prefill_attention("torch", torch.float32, 64, "cpu", kdir), SdpaPrefill
+    )
+    assert isinstance(select_prefill_attention("auto", torch.float32, 40, "cpu", kdir), SdpaPrefill)
+    assert isinstance(
+        select_prefill_attention("auto", torch.float32, 64, "cuda", kdir), SdpaPrefill
+    )
+    with pytest.raises(ConfigError, match="head_dim 40"):
+        select_prefill_attention("native", torch.float32, 40, "cpu", kdir)
+    with pytest.raises(ConfigError, match="not cuda"):
+        select_prefill_attention("native", torch.float32, 64, "cuda", kdir)
+
+
+@needs_cc
+def test_a_header_change_rebuilds(tmp_path: Path) -> None:
+    """The build key covers the headers the source includes, not only the source."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in SOURCE.parent.glob("*.h"):
+        shutil.copy(f, src / f.name)
+    source = shutil.copy(SOURCE, src / SOURCE.name)
+    first = build_library(Path(source), tmp_path / "out")
+    header = src / "vector_math.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    second = build_library(Path(source), tmp_path / "out")
+    assert second != first and second.exists()
