@@ -14,7 +14,10 @@ prompt length it alternates the two, request by request, on identical prompts
   over ``start of compute -> first token``, from its Prometheus histograms
   (target <= 5% for prompts >= 512 tokens);
 - the handoff gap the client sees: the first-to-second token gap minus the
-  median of the later gaps.
+  median of the later gaps;
+- prefill's own queue (arrival to start of compute) and compute (to first
+  token), means from its histograms: what TTFT spends outside them is the
+  stack's hops.
 
     python -m benchmarks.serving_bench --lengths 128 512 1024 2048 --repeats 3
 """
@@ -96,7 +99,7 @@ class BenchClient:
 def histogram_sums(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
-    for name in ("compute", "exposed_transfer"):
+    for name in ("compute", "exposed_transfer", "queue"):
         m = re.search(rf"^baton_prefill_{name}_seconds_sum (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
@@ -156,6 +159,7 @@ def main() -> None:
                 after = histogram_sums(prefill_url)
                 compute = after["compute"] - before["compute"]
                 exposed = after["exposed_transfer"] - before["exposed_transfer"]
+                queue = after["queue"] - before["queue"]
 
                 def med(xs: list[Sample], key: str) -> float:
                     return statistics.median(getattr(x, key) for x in xs)
@@ -168,6 +172,9 @@ def main() -> None:
                     "tpot_disagg_s": med(disagg, "tpot"),
                     "exposed_transfer_share": exposed / compute if compute else None,
                     "handoff_gap_s": med(disagg, "handoff_gap"),
+                    # means over the disaggregated requests, from prefill's histograms
+                    "prefill_queue_s": queue / args.repeats,
+                    "prefill_compute_s": compute / args.repeats,
                     "samples": {
                         "in_process": [asdict(x) for x in local],
                         "disagg": [asdict(x) for x in disagg],
@@ -182,7 +189,9 @@ def main() -> None:
                     f"TPOT {row['tpot_in_process_s'] * 1e3:6.1f} -> "
                     f"{row['tpot_disagg_s'] * 1e3:6.1f} ms (x{row['tpot_ratio']:.3f})  "
                     f"exposed transfer {100 * (row['exposed_transfer_share'] or 0):.2f}% "
-                    f"of prefill  handoff gap {row['handoff_gap_s'] * 1e3:.1f} ms",
+                    f"of prefill  handoff gap {row['handoff_gap_s'] * 1e3:.1f} ms  "
+                    f"(prefill queue {row['prefill_queue_s'] * 1e3:.1f} ms, "
+                    f"compute {row['prefill_compute_s'] * 1e3:.1f} ms)",
                     flush=True,
                 )
         finally:
