@@ -88,7 +88,7 @@ class SdpaPrefill(PrefillAttention):
 
 
 class NativePrefill(PrefillAttention):
-    """The C kernel: K/V read through the block table, fp32 math, 1.8-3x SDPA's
+    """The C kernel: K/V read through the block table, fp32 math, 2.2-3.6x SDPA's
     speed on CPU (``benchmarks/attention_bench.py``)."""
 
     name = "native"
