@@ -13,7 +13,6 @@ gathered from the pool first, as the engine's SDPA path does).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from functools import partial
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_bench import paired
+from benchmarks.results import save_json
 from shared.config import default_cache_dir
 from shared.kernels.paged_prefill import PagedPrefillKernel
 from shared.model.attention import PrefillSegment
@@ -94,9 +94,7 @@ def main() -> None:
                     f"sdpa {row['sdpa_ms']:7.2f} ms  time ratio {row['time_ratio']:.2f}",
                     flush=True,
                 )
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
+    save_json(args.out, results)
 
 
 if __name__ == "__main__":

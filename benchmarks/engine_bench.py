@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.results import save_json
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
@@ -279,9 +280,7 @@ def main() -> None:
     args = p.parse_args()
     report = run(args)
     print(json.dumps(report["summary"], indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+    save_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
+from benchmarks.results import save_json
 from shared.cluster.keys import Keys
 from shared.kvstore.client import KVStoreClient
 from shared.procs import RedisProcess, ServiceProcess, free_port
@@ -300,9 +301,7 @@ def main() -> None:
     report = run(args)
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    save_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import re
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.results import save_json
 from shared.bench.runner import Target, send
 from shared.config import CacheConfig, EngineConfig
 from shared.engine.engine import Engine
@@ -198,9 +198,7 @@ def main() -> None:
             client.close()
     finally:
         cluster.stop()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"transport": args.transport, "rows": results}, indent=1))
+    save_json(args.out, {"transport": args.transport, "rows": results})
 
 
 if __name__ == "__main__":

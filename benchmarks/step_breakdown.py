@@ -14,7 +14,6 @@ add a few microseconds per call, so the totals run slightly above
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.engine_bench import Ours
+from benchmarks.results import save_json
 from shared.config import default_cache_dir
 from shared.model.attention import DecodeBatch
 from shared.model.attention_impl import AttentionImpl
@@ -149,11 +149,7 @@ def main() -> None:
             f"outside forward {row['outside_forward_ms']:4.1f}",
             flush=True,
         )
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2)
-        )
+    save_json(args.out, {"dtype": args.dtype, "threads": args.threads, "rows": rows})
 
 
 if __name__ == "__main__":

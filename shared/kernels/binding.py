@@ -5,7 +5,9 @@ return code."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +24,20 @@ def load_library(path: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelBuildError(f"cannot load kernel library {path}: {e}") from e
+
+
+def bind_dtypes(
+    lib: ctypes.CDLL, prefix: str, argtypes: Sequence[type[Any]]
+) -> dict[torch.dtype, Any]:
+    """The library's ``{prefix}_f32`` and ``{prefix}_bf16`` entry points, typed,
+    keyed by the storage dtype each one takes."""
+    entries = {}
+    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        fn = getattr(lib, f"{prefix}_{suffix}")
+        fn.argtypes = list(argtypes)
+        fn.restype = ctypes.c_int
+        entries[dtype] = fn
+    return entries
 
 
 def pool_problems(k_pool: torch.Tensor, v_pool: torch.Tensor) -> Problems:

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from shared.kernels.binding import check_return, load_library, pool_problems, refuse
+from shared.kernels.binding import (
+    bind_dtypes,
+    check_return,
+    load_library,
+    pool_problems,
+    refuse,
+)
 from shared.kernels.build import build_library
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -44,15 +50,7 @@ class PagedDecodeKernel:
     def __init__(self, library: Path):
         lib = load_library(library)
         self.library = library
-        self._entry = {}
-        for dtype, name in (
-            (torch.float32, "baton_paged_decode_f32"),
-            (torch.bfloat16, "baton_paged_decode_bf16"),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-            self._entry[dtype] = fn
+        self._entry = bind_dtypes(lib, "baton_paged_decode", _ARGTYPES)
         self._write = lib.baton_paged_write
         self._write.argtypes = _WRITE_ARGTYPES
         self._write.restype = ctypes.c_int

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch
 
-from shared.kernels.binding import check_return, load_library, pool_problems, refuse
+from shared.kernels.binding import (
+    bind_dtypes,
+    check_return,
+    load_library,
+    pool_problems,
+    refuse,
+)
 from shared.kernels.build import build_library
 
 SOURCE = Path(__file__).with_name("paged_prefill.c")
@@ -33,16 +39,7 @@ class PagedPrefillKernel:
         self.library = library
         lib.baton_paged_prefill_available.restype = ctypes.c_int
         self.available = bool(lib.baton_paged_prefill_available())
-        self._entry = {}
-        if self.available:
-            for dtype, name in (
-                (torch.float32, "baton_paged_prefill_f32"),
-                (torch.bfloat16, "baton_paged_prefill_bf16"),
-            ):
-                fn = getattr(lib, name)
-                fn.argtypes = _ARGTYPES
-                fn.restype = ctypes.c_int
-                self._entry[dtype] = fn
+        self._entry = bind_dtypes(lib, "baton_paged_prefill", _ARGTYPES) if self.available else {}
 
     @classmethod
     def build(cls, kernel_dir: Path) -> PagedPrefillKernel:
