@@ -245,8 +245,18 @@ class Handoff:
             if decode is None or started.decode_pick is None or reason is not None:
                 yield Generated(first.token, reason)
                 return
-            await self._send_first(started.decode_pick, worker_id, first.token)
-            yield Generated(first.token, None)
+            # the client gets the first token while it goes on to decode (one HTTP
+            # round trip off TTFT); decode's stream is read only once it has it
+            send = asyncio.create_task(
+                self._send_first(started.decode_pick, worker_id, first.token),
+                name=f"first-token:{worker_id}",
+            )
+            try:
+                yield Generated(first.token, None)
+            except BaseException:
+                send.cancel()
+                raise
+            await send
             async for gen in _tokens(decode):
                 yield gen
         finally:
