@@ -16,6 +16,7 @@ from shared.kernels.paged_decode import SOURCE, PagedDecodeKernel
 from shared.model.attention import DecodeBatch
 from shared.model.decode_attention import GatherDecode, NativeDecode, select_decode_attention
 from tests.shared.kernels.compiler import has_compiler, needs_cc
+from tests.shared.kernels.pools import Shape, layer_pools
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +43,21 @@ def make_case(
     *,
     dtype: torch.dtype,
     lens: list[int],
-    heads: int = 9,
-    kv_heads: int = 3,
-    head_dim: int = 64,
-    block_size: int = 16,
-    seed: int = 0,
+    shape: Shape = Shape(),
+    seed: int = 0,  # noqa: B008
 ) -> Case:
-    """One layer's K/V views of a 3-layer pool (so blocks are strided like the
-    engine's), with shuffled, non-overlapping block tables."""
+    """Decode rows with shuffled, non-overlapping block tables into one layer's pools."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in lens]
+    need = [-(-n // shape.block_size) for n in lens]
     num_blocks = sum(need) + 3
-    pool = torch.randn(num_blocks, 3, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    k_pool, v_pool = layer_pools(shape, num_blocks, dtype, g)
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables, used = [], 0
     for n in need:
         tables.append(order[used : used + n])
         used += n
-    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
-    return Case(q, pool[:, 1, 0], pool[:, 1, 1], tables, lens)
+    q = torch.randn(len(lens), shape.heads, shape.head_dim, generator=g).to(dtype)
+    return Case(q, k_pool, v_pool, tables, lens)
 
 
 def reference(c: Case) -> torch.Tensor:
@@ -110,10 +107,7 @@ def test_matches_reference(
     block_size: int,
 ) -> None:
     lens = [1, 15, 16, 17, 100, 3]  # a single token, block edges, ragged lengths
-    case = make_case(
-        dtype=dtype, lens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        block_size=block_size,
-    )  # fmt: skip
+    case = make_case(dtype=dtype, lens=lens, shape=Shape(heads, kv_heads, head_dim, block_size))
     got = run(kernel, case)
     want = reference(case)
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])

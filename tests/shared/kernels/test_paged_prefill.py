@@ -17,6 +17,7 @@ from shared.kernels.paged_prefill import SOURCE, PagedPrefillKernel
 from shared.model.attention import PrefillSegment
 from shared.model.prefill_attention import NativePrefill, SdpaPrefill, select_prefill_attention
 from tests.shared.kernels.compiler import has_compiler, needs_cc
+from tests.shared.kernels.pools import Shape, layer_pools
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +48,17 @@ def make_case(
     dtype: torch.dtype,
     n: int,
     context_len: int,
-    heads: int = 9,
-    kv_heads: int = 3,
-    head_dim: int = 64,
-    block_size: int = 16,
+    shape: Shape = Shape(),  # noqa: B008
     seed: int = 0,
 ) -> Case:
-    """K/V views of one layer of a 3-layer pool (blocks strided as in the engine),
-    the context's blocks shuffled through it."""
+    """The newest ``n`` of ``context_len`` tokens, the context's blocks shuffled
+    through one layer's pools."""
     g = torch.Generator().manual_seed(seed)
-    need = -(-context_len // block_size)
-    num_blocks = need + 5
-    pool = torch.randn(num_blocks, 3, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    table = torch.randperm(num_blocks, generator=g)[:need].contiguous()
-    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
-    return Case(q, pool[:, 2, 0], pool[:, 2, 1], table, context_len)
+    need = -(-context_len // shape.block_size)
+    k_pool, v_pool = layer_pools(shape, need + 5, dtype, g)
+    table = torch.randperm(need + 5, generator=g)[:need].contiguous()
+    q = torch.randn(n, shape.heads, shape.head_dim, generator=g).to(dtype)
+    return Case(q, k_pool, v_pool, table, context_len)
 
 
 def sdpa(c: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -111,10 +108,8 @@ def test_as_accurate_as_sdpa(
     """Fresh prompts (n == context) and prompts on a cached prefix; GQA groups
     1-12 (a group of 12 spans several register blocks); block sizes other than a
     key tile. The error against float64 is within twice SDPA's own."""
-    c = make_case(
-        dtype=dtype, n=n, context_len=context_len, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, block_size=block_size,
-    )  # fmt: skip
+    shape = Shape(heads, kv_heads, head_dim, block_size)
+    c = make_case(dtype=dtype, n=n, context_len=context_len, shape=shape)
     exact = sdpa(c, torch.float64)
     ours = (run(kernel, c).double() - exact).abs().max().item()
     theirs = (sdpa(c).double() - exact).abs().max().item()
@@ -174,7 +169,7 @@ def test_rejects_arguments_it_would_misread(kernel: PagedPrefillKernel) -> None:
     for match, call in bad:
         with pytest.raises(ValueError, match=match):
             call()
-    odd = make_case(dtype=torch.float32, n=4, context_len=4, head_dim=40, heads=2, kv_heads=1)
+    odd = make_case(dtype=torch.float32, n=4, context_len=4, shape=Shape(2, 1, 40))
     assert not kernel.supports(torch.float32, 40)
     with pytest.raises(ValueError, match="head_dim unsupported"):
         run(kernel, odd)
