@@ -17,6 +17,9 @@ class Shape:
     block_size: int = 16
 
 
+DEFAULT_SHAPE = Shape()
+
+
 def layer_pools(
     shape: Shape, num_blocks: int, dtype: torch.dtype, g: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:

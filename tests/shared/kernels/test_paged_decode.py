@@ -16,7 +16,7 @@ from shared.kernels.paged_decode import SOURCE, PagedDecodeKernel
 from shared.model.attention import DecodeBatch
 from shared.model.decode_attention import GatherDecode, NativeDecode, select_decode_attention
 from tests.shared.kernels.compiler import has_compiler, needs_cc
-from tests.shared.kernels.pools import Shape, layer_pools
+from tests.shared.kernels.pools import DEFAULT_SHAPE, Shape, layer_pools
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def make_case(
     *,
     dtype: torch.dtype,
     lens: list[int],
-    shape: Shape = Shape(),
-    seed: int = 0,  # noqa: B008
+    shape: Shape = DEFAULT_SHAPE,
+    seed: int = 0,
 ) -> Case:
     """Decode rows with shuffled, non-overlapping block tables into one layer's pools."""
     g = torch.Generator().manual_seed(seed)

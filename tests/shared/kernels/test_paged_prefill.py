@@ -17,7 +17,7 @@ from shared.kernels.paged_prefill import SOURCE, PagedPrefillKernel
 from shared.model.attention import PrefillSegment
 from shared.model.prefill_attention import NativePrefill, SdpaPrefill, select_prefill_attention
 from tests.shared.kernels.compiler import has_compiler, needs_cc
-from tests.shared.kernels.pools import Shape, layer_pools
+from tests.shared.kernels.pools import DEFAULT_SHAPE, Shape, layer_pools
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def make_case(
     dtype: torch.dtype,
     n: int,
     context_len: int,
-    shape: Shape = Shape(),  # noqa: B008
+    shape: Shape = DEFAULT_SHAPE,
     seed: int = 0,
 ) -> Case:
     """The newest ``n`` of ``context_len`` tokens, the context's blocks shuffled
