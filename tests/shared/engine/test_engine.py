@@ -68,8 +68,9 @@ def test_ragged_batch_matches_running_alone(
 
 
 def test_attention_backends_agree(make_engine: EngineFactory, loaded_fp32: LoadedModel) -> None:
-    """The native kernels (decode and prefill) and the pure-torch paths give the
-    same greedy tokens and logprobs (to fp32 rounding) on a ragged batch."""
+    """The native kernels (decode, and prefill where the CPU has AVX-512) and the
+    pure-torch paths give the same greedy tokens and logprobs (to fp32 rounding)
+    on a ragged batch."""
     try:
         find_compiler()
     except KernelBuildError:
@@ -77,10 +78,8 @@ def test_attention_backends_agree(make_engine: EngineFactory, loaded_fp32: Loade
     prompts = _prompts(loaded_fp32)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     native_engine = make_engine(attention="auto")
-    impl = native_engine.runner.attention
-    assert impl.decode.name == "native"
-    if impl.prefill.name != "native":
-        pytest.skip("the native prefill kernel needs AVX-512, which this CPU lacks")
+    # prefill is native too where the CPU has AVX-512, else SDPA on both sides
+    assert native_engine.runner.attention.decode.name == "native"
     native = native_engine.generate(prompts, params)
     plain = make_engine(attention="torch").generate(prompts, params)
     assert_same_generations(native, plain)
