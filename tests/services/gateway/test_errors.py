@@ -89,18 +89,23 @@ def _wait_idle(cluster: Cluster, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"cluster did not return to idle: {last}")
 
 
-def test_client_disconnect_mid_stream_frees_everything(cluster: Cluster) -> None:
+@pytest.mark.parametrize("after_chunks", [1, 3])
+def test_client_disconnect_mid_stream_frees_everything(cluster: Cluster, after_chunks: int) -> None:
+    """Leaving after the first chunk (the gateway may still be handing that token
+    to decode) or a few tokens later."""
     body = chat(max_tokens=400, ignore_eos=True, stream=True, temperature=0)
     with httpx.stream("POST", cluster.url + CHAT, json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         chunks = 0
-        while chunks < 3:
+        while chunks < after_chunks:
             chunks += next(lines).startswith("data: ")
         # decode holds the request's KV right now (leaving the loop would close the stream)
         assert sum(w["in_flight"] for w in cluster.stats("decode")) == 1
         assert sum(w["kv_usage"] for w in cluster.stats("decode")) > 0
     _wait_idle(cluster)
+    r = httpx.post(cluster.url + CHAT, json=chat(max_tokens=2), timeout=60)
+    assert r.status_code == 200
 
 
 def test_client_disconnect_during_prefill_frees_everything(cluster: Cluster) -> None:
