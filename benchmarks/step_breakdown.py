@@ -28,7 +28,7 @@ from shared.config import default_cache_dir
 from shared.model.attention import DecodeBatch
 from shared.model.attention_impl import AttentionImpl
 from shared.model.decode_attention import DecodeAttention
-from shared.model.linear import Linear
+from shared.model.linear import Linear, PackedWeight
 from shared.model.loader import load_model
 
 PARTS = ("gemm", "attention", "kv_write", "forward")
@@ -55,10 +55,10 @@ class TimedLinear(Linear):
     def __init__(self, inner: Linear, clock: Clock):
         self.inner, self.clock, self.name = inner, clock, inner.name
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
         return self.inner.pack(weight)
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         out: torch.Tensor = self.clock.timed("gemm", self.inner, x, packed)
         return out
 

@@ -19,8 +19,9 @@ from shared.errors import ConfigError
 DType = Literal["float32", "bfloat16", "float16"]
 # decode attention: the native C kernel (CPU), pure torch, or native where it builds
 AttentionBackend = Literal["auto", "native", "torch"]
-# weight GEMMs: oneDNN on prepacked weights (CPU), F.linear, or oneDNN where it runs
-LinearBackend = Literal["auto", "onednn", "torch"]
+# weight GEMMs: the native fp32 kernel (CPU), oneDNN on prepacked weights (CPU),
+# F.linear, or the best of these that runs here
+LinearBackend = Literal["auto", "native", "onednn", "torch"]
 
 DEFAULT_BLOCK_SIZE = 16
 

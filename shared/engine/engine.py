@@ -127,6 +127,7 @@ class Engine:
             dtype=config.dtype,
             device=config.device,
             linear=config.linear,
+            kernel_dir=config.kernel_dir,
             progress=progress,
         )
         return cls(loaded, config)

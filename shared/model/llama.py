@@ -18,7 +18,7 @@ from shared.kv.kv_cache import KVCache
 from shared.model.arch import LlamaArch
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.attention_impl import AttentionImpl
-from shared.model.linear import Linear
+from shared.model.linear import Linear, PackedWeight
 from shared.model.rope import Rope
 
 
@@ -26,11 +26,11 @@ from shared.model.rope import Rope
 class LayerWeights:
     input_norm: torch.Tensor
     # the GEMM weights are as the model's Linear packed them
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj: torch.Tensor
+    qkv: PackedWeight  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: PackedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: PackedWeight  # [2 * intermediate, hidden]
+    down: PackedWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

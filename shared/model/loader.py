@@ -36,10 +36,18 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     linear: LinearBackend = "auto",
+    kernel_dir: Path | None = None,
     progress: bool = True,
 ) -> LoadedModel:
+    """``kernel_dir``: where native kernels are built (default ``cache_dir/kernels``)."""
     resolved = resolve(spec, cache_dir, progress=progress)
-    return load_resolved(resolved, dtype=dtype, device=device, linear=linear)
+    return load_resolved(
+        resolved,
+        dtype=dtype,
+        device=device,
+        linear=linear,
+        kernel_dir=kernel_dir or cache_dir / "kernels",
+    )
 
 
 def _read_arch(folder: Path) -> LlamaArch:
@@ -51,7 +59,12 @@ def _read_arch(folder: Path) -> LlamaArch:
 
 
 def load_resolved(
-    resolved: ResolvedModel, *, dtype: str, device: str, linear: LinearBackend = "auto"
+    resolved: ResolvedModel,
+    *,
+    dtype: str,
+    device: str,
+    kernel_dir: Path,
+    linear: LinearBackend = "auto",
 ) -> LoadedModel:
     if device == "cpu" and dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
@@ -60,7 +73,7 @@ def load_resolved(
     tokenizer = Tokenizer.from_folder(resolved.folder)
     state = load_state_dict(resolved.folder)
     dt = torch_dtype(dtype)
-    model = LlamaModel(arch, state, dt, device, select_linear(linear, dt, device))
+    model = LlamaModel(arch, state, dt, device, select_linear(linear, dt, device, kernel_dir))
     return LoadedModel(
         name=resolved.name,
         identity=resolved.identity,

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, LinearBackend
 from shared.engine.engine import Completion, Engine
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError, KernelBuildError, RequestTooLongError
 from shared.kernels.build import find_compiler
+from shared.model.linear import OneDNNLinear
 from shared.model.loader import LoadedModel, load_model
 from tests.conftest import CHAT_FRANCE, EngineFactory
 from tests.shared.model.forward import new_cache, prefill_logits
@@ -85,19 +86,23 @@ def test_attention_backends_agree(make_engine: EngineFactory, loaded_fp32: Loade
     assert_same_generations(native, plain)
 
 
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
 def test_linear_backends_agree(
-    make_engine: EngineFactory, loaded_fp32: LoadedModel, cache_dir: Path
+    make_engine: EngineFactory, loaded_fp32: LoadedModel, cache_dir: Path, backend: LinearBackend
 ) -> None:
-    """oneDNN on prepacked weights and F.linear (with its small-GEMM padding: 2-3
-    row batches occur here) give the same greedy tokens and logprobs."""
-    if loaded_fp32.model.gemm.name != "onednn":
+    """The default GEMM (the native kernel where it builds), oneDNN on prepacked
+    weights and F.linear (with its small-GEMM padding: 2-3 row batches occur
+    here) give the same greedy tokens and logprobs."""
+    if backend == "onednn" and OneDNNLinear.probe(torch.float32) is not None:
         pytest.skip("oneDNN linear is unavailable on this torch build or CPU")
+    if loaded_fp32.model.gemm.name == backend:
+        pytest.skip(f"{backend} is the default here; nothing to compare it with")
     prompts = _prompts(loaded_fp32)[:3]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    packed = make_engine().generate(prompts, params)
-    plain = load_model(None, cache_dir=cache_dir, linear="torch", progress=False)
-    assert plain.model.gemm.name == "torch"
-    assert_same_generations(Engine(plain, EngineConfig()).generate(prompts, params), packed)
+    default = make_engine().generate(prompts, params)
+    other = load_model(None, cache_dir=cache_dir, linear=backend, progress=False)
+    assert other.model.gemm.name == backend
+    assert_same_generations(Engine(other, EngineConfig()).generate(prompts, params), default)
 
 
 def test_chunked_prefill_matches_one_shot(

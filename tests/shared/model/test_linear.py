@@ -1,4 +1,5 @@
-"""Weight GEMM backends against plain F.linear, and how one is chosen."""
+"""Weight GEMM backends against plain F.linear, and how one is chosen. (The
+native kernel's own tests are in tests/shared/kernels/test_gemm.py.)"""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.config import default_cache_dir
 from shared.errors import ConfigError
-from shared.model.linear import OneDNNLinear, TorchLinear, select_linear
+from shared.model.linear import NativeLinear, OneDNNLinear, TorchLinear, select_linear
+from tests.shared.kernels.compiler import has_compiler
+
+KDIR = default_cache_dir() / "kernels"
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # atol = rtol
 
@@ -30,7 +35,9 @@ def _onednn_or_skip(dtype: torch.dtype) -> OneDNNLinear:
 def test_onednn_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     linear = _onednn_or_skip(dtype)
     x, weight = _operands(rows, dtype)
-    got = linear(x, linear.pack(weight))
+    packed = linear.pack(weight)
+    assert (packed.out_features, packed.in_features) == (96, 64)
+    got = linear(x, packed)
     assert got.dtype == dtype and got.shape == (rows, 96)
     want = F.linear(x.double(), weight.double())
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -43,20 +50,55 @@ def test_torch_padding_keeps_the_rows(rows: int) -> None:
     torch.testing.assert_close(padded(x, padded.pack(weight)), F.linear(x, weight))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_native_matches_f_linear(rows: int) -> None:
+    linear = NativeLinear.load(torch.float32, KDIR)
+    if isinstance(linear, str):
+        pytest.skip(linear)
+    x, weight = _operands(rows, torch.float32)
+    got = linear(x, linear.pack(weight))
+    want = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(got.double(), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 def test_selection() -> None:
-    assert select_linear("torch", torch.float32, "cpu").name == "torch"
-    assert select_linear("auto", torch.float16, "cuda").name == "torch"
-    with pytest.raises(ConfigError, match="CPU"):
-        select_linear("onednn", torch.float16, "cuda")
-    want = "onednn" if OneDNNLinear.probe(torch.float32) is None else "torch"
-    assert select_linear("auto", torch.float32, "cpu").name == want
+    assert select_linear("torch", torch.float32, "cpu", KDIR).name == "torch"
+    assert select_linear("auto", torch.float16, "cuda", KDIR).name == "torch"
+    for backend in ("onednn", "native"):
+        with pytest.raises(ConfigError, match="CPU"):
+            select_linear(backend, torch.float16, "cuda", KDIR)
+    with pytest.raises(ConfigError, match="fp32 only"):
+        select_linear("native", torch.bfloat16, "cpu", KDIR)
+    onednn = OneDNNLinear.probe(torch.bfloat16) is None
+    assert select_linear("auto", torch.bfloat16, "cpu", KDIR).name == (
+        "onednn" if onednn else "torch"
+    )
+    native = not isinstance(NativeLinear.load(torch.float32, KDIR), str)
+    assert native or not has_compiler() or "avx512f" not in _cpu_flags()
+    want = (
+        "native" if native else "onednn" if OneDNNLinear.probe(torch.float32) is None else "torch"
+    )
+    assert select_linear("auto", torch.float32, "cpu", KDIR).name == want
 
 
-def test_unusable_onednn_is_a_clear_error_and_auto_falls_back(
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_unusable_backends_are_clear_errors_and_auto_falls_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(NativeLinear, "load", classmethod(lambda cls, dtype, kdir: "no kernel"))
+    with pytest.raises(ConfigError, match="no kernel"):
+        select_linear("native", torch.float32, "cpu", KDIR)
+    want = "onednn" if OneDNNLinear.probe(torch.float32) is None else "torch"
+    assert select_linear("auto", torch.float32, "cpu", KDIR).name == want
     monkeypatch.setattr(OneDNNLinear, "probe", classmethod(lambda cls, dtype: "no oneDNN here"))
     with pytest.raises(ConfigError, match="no oneDNN here"):
-        select_linear("onednn", torch.float32, "cpu")
-    fallback = select_linear("auto", torch.float32, "cpu")
+        select_linear("onednn", torch.float32, "cpu", KDIR)
+    fallback = select_linear("auto", torch.float32, "cpu", KDIR)
     assert isinstance(fallback, TorchLinear) and fallback.pad_small_gemm
