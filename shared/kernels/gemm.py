@@ -1,5 +1,5 @@
-"""ctypes binding of ``gemm.c``: fp32 ``x @ w.T`` on weights packed once into
-48-column panels.
+"""ctypes binding of ``gemm.c``: ``x @ w.T`` in fp32 or bf16 on weights packed
+once into 48-column panels.
 
 Ownership: :meth:`GemmKernel.pack` returns a new tensor the caller keeps for
 the weight's lifetime (read-only from then on; several threads may multiply by
@@ -13,8 +13,9 @@ import ctypes
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from shared.kernels.binding import check_return, load_library, refuse
+from shared.kernels.binding import bind_dtypes, check_return, load_library, refuse
 from shared.kernels.build import build_library
 
 SOURCE = Path(__file__).with_name("gemm.c")
@@ -23,22 +24,29 @@ _I = ctypes.c_int64
 
 
 class GemmKernel:
-    """The compiled kernel. It needs AVX-512: :attr:`available` is False where
-    the compiler did not target it."""
+    """The compiled kernel: fp32 needs AVX-512, bf16 also AVX512-BF16.
+    :attr:`dtypes` are those the compiler targeted on this machine."""
 
     def __init__(self, library: Path):
         lib = load_library(library)
         self.library = library
-        lib.baton_gemm_available.restype = ctypes.c_int
         lib.baton_gemm_panel.restype = ctypes.c_int
-        self.available = bool(lib.baton_gemm_available())
         self.panel = int(lib.baton_gemm_panel())
-        self._pack = lib.baton_gemm_pack_f32
-        self._pack.argtypes = [_P, _I, _I, _P]
-        self._pack.restype = None
-        self._gemm = lib.baton_gemm_f32
-        self._gemm.argtypes = [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int]
-        self._gemm.restype = ctypes.c_int
+        self.dtypes: set[torch.dtype] = set()
+        for dtype, probe in (
+            (torch.float32, lib.baton_gemm_available),
+            (torch.bfloat16, lib.baton_gemm_available_bf16),
+        ):
+            probe.restype = ctypes.c_int
+            if probe():
+                self.dtypes.add(dtype)
+        self._pack = bind_dtypes(lib, "baton_gemm_pack", [_P, _I, _I, _P])
+        self._gemm = bind_dtypes(lib, "baton_gemm", [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int])
+
+    @staticmethod
+    def pair(dtype: torch.dtype) -> int:
+        """k values per packed step: bf16 packs them in pairs (K padded to even)."""
+        return 2 if dtype == torch.bfloat16 else 1
 
     @classmethod
     def build(cls, kernel_dir: Path) -> GemmKernel:
@@ -46,36 +54,41 @@ class GemmKernel:
         return cls(build_library(SOURCE, kernel_dir))
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight``: fp32 ``[n, k]`` on the CPU -> ``[ceil(n / panel), k, panel]``."""
+        """``weight``: ``[n, k]`` on the CPU -> ``[ceil(n / panel), k', panel]``
+        (``k'``: ``k`` rounded up to the dtype's :meth:`pair`, the padding zero)."""
         refuse(
             "gemm pack",
             [
-                (weight.dtype != torch.float32 or weight.device.type != "cpu", "fp32 CPU weight"),
+                (weight.dtype not in self.dtypes, f"dtype {weight.dtype} unsupported here"),
+                (weight.device.type != "cpu", "weight must be on the CPU"),
                 (weight.dim() != 2 or 0 in weight.shape, "weight must be a non-empty matrix"),
             ],
         )
-        n, k = weight.shape
-        w = weight.contiguous()
-        packed = torch.empty(-(-n // self.panel), k, self.panel, dtype=torch.float32)
-        self._pack(w.data_ptr(), n, k, packed.data_ptr())
+        n = weight.shape[0]
+        w = _pad_k(weight, self.pair(weight.dtype)).contiguous()
+        packed = torch.empty(-(-n // self.panel), w.shape[1], self.panel, dtype=weight.dtype)
+        self._pack[weight.dtype](w.data_ptr(), n, w.shape[1], packed.data_ptr())
         return packed
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """``x``: fp32 ``[m, k]``; returns ``x @ w.T`` as a new ``[m, out_features]``."""
-        m, k = x.shape
+        """``x``: ``[m, k]`` in the packed weight's dtype; returns ``x @ w.T`` as
+        a new ``[m, out_features]``."""
+        m = x.shape[0]
+        x = _pad_k(x, self.pair(x.dtype))
+        panels, k = -(-out_features // self.panel), x.shape[1]
         refuse(
             "gemm kernel",
             [
-                (x.dtype != torch.float32 or x.device.type != "cpu", "x must be fp32 on the CPU"),
-                (packed.shape != (-(-out_features // self.panel), k, self.panel), "packed shape"),
-                (packed.dtype != torch.float32 or not packed.is_contiguous(), "packed layout"),
+                (x.dtype not in self.dtypes or x.device.type != "cpu", "x dtype or device"),
+                (packed.dtype != x.dtype or not packed.is_contiguous(), "packed layout"),
+                (packed.shape != (panels, k, self.panel), "packed shape"),
             ],
         )
         x = x.contiguous()
-        out = torch.empty(m, out_features, dtype=torch.float32)
+        out = torch.empty(m, out_features, dtype=x.dtype)
         if m == 0:
             return out
-        rc = self._gemm(
+        rc = self._gemm[x.dtype](
             x.data_ptr(),
             m,
             k,
@@ -87,3 +100,9 @@ class GemmKernel:
         )
         check_return("gemm kernel", rc)
         return out
+
+
+def _pad_k(t: torch.Tensor, pair: int) -> torch.Tensor:
+    """``t`` with zero columns appended up to a multiple of ``pair``."""
+    extra = -t.shape[-1] % pair
+    return F.pad(t, (0, extra)) if extra else t

@@ -1,5 +1,5 @@
-"""The native fp32 GEMM kernel against float64, its packing, its batch and thread
-invariance, and what it refuses."""
+"""The native GEMM kernel (fp32, bf16) against float64, its packing, its batch
+and thread invariance, and what it refuses."""
 
 from __future__ import annotations
 
@@ -10,49 +10,71 @@ from shared.config import default_cache_dir
 from shared.kernels.gemm import GemmKernel
 from tests.shared.kernels.compiler import has_compiler
 
-# (out_features, in_features): panel-aligned and ragged N, the model's K values
-SHAPES = [(48, 16), (100, 64), (960, 576), (49, 1536)]
+# (out_features, in_features): panel-aligned and ragged N, the model's K values, odd K
+SHAPES = [(48, 16), (100, 64), (960, 576), (49, 1536), (50, 7)]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def kernel() -> GemmKernel:
+def built() -> GemmKernel:
     if not has_compiler():
         pytest.skip("no C compiler on this machine")
-    built = GemmKernel.build(default_cache_dir() / "kernels")
-    if not built.available:
-        pytest.skip("the GEMM kernel needs AVX-512, which this CPU lacks")
+    return GemmKernel.build(default_cache_dir() / "kernels")
+
+
+def _kernel(built: GemmKernel, dtype: torch.dtype) -> GemmKernel:
+    if dtype not in built.dtypes:
+        pytest.skip(f"the GEMM kernel cannot run {dtype} on this CPU (AVX-512 / AVX512-BF16)")
     return built
 
 
-def _operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(
+    rows: int, n: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    return x.to(dtype), w.to(dtype)
 
 
-def test_pack_layout(kernel: GemmKernel) -> None:
-    """Panel p holds columns [48p, 48p + 48) k-major; columns past N are zero."""
-    _, w = _operands(1, 100, 7)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_layout(built: GemmKernel, dtype: torch.dtype) -> None:
+    """Panel p holds columns [48p, 48p + 48), k-major (bf16: k in pairs, K padded
+    to even); columns past N and padded k are zero."""
+    kernel = _kernel(built, dtype)
+    _, w = _operands(1, 100, 7, dtype)
     packed = kernel.pack(w)
-    assert packed.shape == (3, 7, kernel.panel)
+    pair = kernel.pair(dtype)
+    k_padded = 7 + (pair - 1)
+    assert packed.shape == (3, k_padded, kernel.panel) and packed.dtype == dtype
+    steps = packed.view(3, k_padded // pair, kernel.panel, pair)
     for col in (0, 47, 48, 99):
-        assert torch.equal(packed[col // 48, :, col % 48], w[col])
-    assert not packed[2, :, 100 - 96 :].any()
+        column = steps[col // 48, :, col % 48, :].reshape(-1)
+        assert torch.equal(column[:7], w[col]) and not column[7:].any()
+    assert not steps[2, :, 100 - 96 :, :].float().any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 301])
-def test_matches_float64(kernel: GemmKernel, rows: int, n: int, k: int) -> None:
-    x, w = _operands(rows, n, k, seed=rows)
+def test_matches_float64(built: GemmKernel, rows: int, n: int, k: int, dtype: torch.dtype) -> None:
+    kernel = _kernel(built, dtype)
+    x, w = _operands(rows, n, k, dtype, seed=rows)
     got = kernel(x, kernel.pack(w), n)
     want = x.double() @ w.double().T
-    assert got.shape == (rows, n) and got.dtype == torch.float32
-    # fp32 accumulation over k terms of unit scale: a few ulps times sqrt(k)
-    torch.testing.assert_close(got.double(), want, atol=2e-6 * k**0.5, rtol=1e-5)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    if dtype == torch.float32:
+        # fp32 accumulation over k terms of unit scale: a few ulps times sqrt(k)
+        torch.testing.assert_close(got.double(), want, atol=2e-6 * k**0.5, rtol=1e-5)
+    else:
+        # exact bf16 products summed in fp32, one bf16 rounding of the result
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * k**0.5, rtol=2**-8)
 
 
-def test_rows_do_not_depend_on_the_batch_or_threads(kernel: GemmKernel) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_do_not_depend_on_the_batch_or_threads(built: GemmKernel, dtype: torch.dtype) -> None:
     """Every row is computed in one fixed order, whichever tile it falls in."""
-    x, w = _operands(45, 960, 576)
+    kernel = _kernel(built, dtype)
+    x, w = _operands(45, 960, 576, dtype)
     packed = kernel.pack(w)
     saved = torch.get_num_threads()
     try:
@@ -66,7 +88,8 @@ def test_rows_do_not_depend_on_the_batch_or_threads(kernel: GemmKernel) -> None:
         torch.set_num_threads(saved)
 
 
-def test_strided_input_and_empty_batch(kernel: GemmKernel) -> None:
+def test_strided_input_and_empty_batch(built: GemmKernel) -> None:
+    kernel = _kernel(built, torch.float32)
     x, w = _operands(6, 100, 64)
     packed = kernel.pack(w)
     wide = torch.cat([x, x], dim=1)[:, :64]  # rows 128 floats apart
@@ -74,16 +97,20 @@ def test_strided_input_and_empty_batch(kernel: GemmKernel) -> None:
     assert kernel(x[:0], packed, 100).shape == (0, 100)
 
 
-def test_refusals(kernel: GemmKernel) -> None:
+def test_refusals(built: GemmKernel) -> None:
+    kernel = _kernel(built, torch.float32)
     x, w = _operands(4, 100, 64)
     packed = kernel.pack(w)
-    with pytest.raises(ValueError, match="fp32"):
-        kernel(x.bfloat16(), packed, 100)
+    with pytest.raises(ValueError, match="x dtype"):
+        kernel(x.half(), packed, 100)
+    if torch.bfloat16 in kernel.dtypes:
+        with pytest.raises(ValueError, match="packed layout"):
+            kernel(x.bfloat16(), packed, 100)
     with pytest.raises(ValueError, match="packed shape"):
         kernel(x, packed, 200)
     with pytest.raises(ValueError, match="packed shape"):
         kernel(x[:, :32], packed, 100)
-    with pytest.raises(ValueError, match="fp32 CPU weight"):
-        kernel.pack(w.bfloat16())
+    with pytest.raises(ValueError, match="unsupported"):
+        kernel.pack(w.half())
     with pytest.raises(ValueError, match="non-empty matrix"):
         kernel.pack(w[:0])

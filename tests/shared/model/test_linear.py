@@ -50,15 +50,17 @@ def test_torch_padding_keeps_the_rows(rows: int) -> None:
     torch.testing.assert_close(padded(x, padded.pack(weight)), F.linear(x, weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_native_matches_f_linear(rows: int) -> None:
-    linear = NativeLinear.load(torch.float32, KDIR)
+def test_native_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    linear = NativeLinear.load(dtype, KDIR)
     if isinstance(linear, str):
         pytest.skip(linear)
-    x, weight = _operands(rows, torch.float32)
+    x, weight = _operands(rows, dtype)
     got = linear(x, linear.pack(weight))
+    assert got.dtype == dtype and got.shape == (rows, 96)
     want = F.linear(x.double(), weight.double())
-    torch.testing.assert_close(got.double(), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_selection() -> None:
@@ -67,18 +69,14 @@ def test_selection() -> None:
     for backend in ("onednn", "native"):
         with pytest.raises(ConfigError, match="CPU"):
             select_linear(backend, torch.float16, "cuda", KDIR)
-    with pytest.raises(ConfigError, match="fp32 only"):
-        select_linear("native", torch.bfloat16, "cpu", KDIR)
-    onednn = OneDNNLinear.probe(torch.bfloat16) is None
-    assert select_linear("auto", torch.bfloat16, "cpu", KDIR).name == (
-        "onednn" if onednn else "torch"
-    )
-    native = not isinstance(NativeLinear.load(torch.float32, KDIR), str)
-    assert native or not has_compiler() or "avx512f" not in _cpu_flags()
-    want = (
-        "native" if native else "onednn" if OneDNNLinear.probe(torch.float32) is None else "torch"
-    )
-    assert select_linear("auto", torch.float32, "cpu", KDIR).name == want
+    with pytest.raises(ConfigError, match="fp32 and bf16, not torch"):
+        select_linear("native", torch.float16, "cpu", KDIR)
+    for dtype, flag in ((torch.float32, "avx512f"), (torch.bfloat16, "avx512_bf16")):
+        native = not isinstance(NativeLinear.load(dtype, KDIR), str)
+        assert native or not has_compiler() or flag not in _cpu_flags()
+        onednn = OneDNNLinear.probe(dtype) is None
+        want = "native" if native else "onednn" if onednn else "torch"
+        assert select_linear("auto", dtype, "cpu", KDIR).name == want
 
 
 def _cpu_flags() -> str:
