@@ -22,6 +22,8 @@ AttentionBackend = Literal["auto", "native", "torch"]
 # weight GEMMs: the native fp32 kernel (CPU), oneDNN on prepacked weights (CPU),
 # F.linear, or the best of these that runs here
 LinearBackend = Literal["auto", "native", "onednn", "torch"]
+# RMSNorm, RoPE, SwiGLU's activation: native C kernels (CPU), torch, or native where they build
+PointwiseBackend = Literal["auto", "native", "torch"]
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -57,6 +59,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention: AttentionBackend = "auto"
     linear: LinearBackend = "auto"
+    pointwise: PointwiseBackend = "auto"
     kernel_dir: Path = field(default_factory=lambda: default_cache_dir() / "kernels")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -90,6 +93,7 @@ class BatonSettings(BaseSettings):
     num_threads: int | None = Field(default=None, ge=1)
     attention: AttentionBackend = "auto"
     linear: LinearBackend = "auto"
+    pointwise: PointwiseBackend = "auto"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=1024)
     kv_cache_gb: float = Field(default=1.0, gt=0)
@@ -136,6 +140,7 @@ class BatonSettings(BaseSettings):
             num_threads=self.num_threads,
             attention=self.attention,
             linear=self.linear,
+            pointwise=self.pointwise,
             kernel_dir=self.cache_dir / "kernels",
             cache=CacheConfig(
                 block_size=self.block_size,

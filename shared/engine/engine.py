@@ -127,6 +127,7 @@ class Engine:
             dtype=config.dtype,
             device=config.device,
             linear=config.linear,
+            pointwise=config.pointwise,
             kernel_dir=config.kernel_dir,
             progress=progress,
         )

@@ -86,11 +86,6 @@ DEFINE_HEAD(head_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #define VMAX_CHUNK 16 /* 16-float vectors per row: head_dim <= 256 */
 #define VMAX_GROUP 8  /* query heads per chunk */
 
-INLINE __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
-INLINE __m512 vload_bf16(const uint16_t *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
 
 /* Blocks sit anywhere in the pool, so the hardware prefetcher cannot follow a
  * table: while a block is read, the same rows of the block PREFETCH_BLOCKS

@@ -1,6 +1,6 @@
-/* Scalar and AVX-512 helpers shared by the CPU attention kernels: bf16
- * conversions as torch rounds, and exp for the non-positive arguments of a
- * max-subtracted softmax. */
+/* Scalar and AVX-512 helpers shared by the CPU kernels: bf16 conversions as
+ * torch rounds, and exp for non-positive arguments (a max-subtracted softmax,
+ * silu's e^-|x|). */
 #ifndef BATON_VECTOR_MATH_H
 #define BATON_VECTOR_MATH_H
 #include <stdint.h>
@@ -60,6 +60,34 @@ INLINE __m512 vexp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+INLINE __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE __m512 vload_bf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Vector form of f32_to_bf16: nearest even, NaN kept quiet. */
+INLINE __m256i vf32_to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i high = _mm512_srli_epi32(u, 16);
+    __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+INLINE void vstore_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+INLINE void vstore_bf16(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, vf32_to_bf16(x));
+}
+/* x rounded to bf16 precision, kept as fp32 */
+INLINE __m512 vround_f32(__m512 x) { return x; }
+INLINE __m512 vround_bf16(__m512 x) {
+    __m512i w = _mm512_cvtepu16_epi32(vf32_to_bf16(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
 #endif

@@ -19,6 +19,7 @@ from shared.model.arch import LlamaArch
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.attention_impl import AttentionImpl
 from shared.model.linear import Linear, PackedWeight
+from shared.model.pointwise import Pointwise
 from shared.model.rope import Rope
 
 
@@ -33,11 +34,6 @@ class LayerWeights:
     down: PackedWeight
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
-
-
 class LlamaModel:
     def __init__(
         self,
@@ -46,6 +42,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: str,
         linear: Linear,
+        pointwise: Pointwise,
     ):
         self.arch = arch
         self.dtype = dtype
@@ -73,6 +70,7 @@ class LlamaModel:
         )
         self.final_norm = get("model.norm.weight")
         self.gemm = linear
+        self.ops = pointwise
         # tied: the embedding stays dense for lookups, the head gets its own packed copy
         self.lm_head = linear.pack(self.embed if a.tie_word_embeddings else get("lm_head.weight"))
         self.layers: list[LayerWeights] = []
@@ -116,15 +114,12 @@ class LlamaModel:
         a = self.arch
         q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n = input_ids.shape[0]
+        ops, eps = self.ops, a.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.at(positions)
         for idx, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
+            x = ops.rms_norm(h, lw.input_norm, eps)
             qkv = self.gemm(x, lw.qkv)
-            q = Rope.apply(qkv[:, :q_dim].view(n, a.num_heads, a.head_dim), cos, sin)
-            k = Rope.apply(
-                qkv[:, q_dim : q_dim + kv_dim].view(n, a.num_kv_heads, a.head_dim), cos, sin
-            )
+            q, k = ops.rotary(qkv, positions, self.rope, a.num_heads, a.num_kv_heads)
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
             write_kv(k_pool, v_pool, k, v, meta, attention.decode)
@@ -132,8 +127,7 @@ class LlamaModel:
                 on_layer(idx)
             attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention)
             h = h + self.gemm(attn.reshape(n, q_dim), lw.o_proj)
-            x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
-            gate, up = self.gemm(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + self.gemm(F.silu(gate) * up, lw.down)
-        last = rms_norm(h[logits_rows], self.final_norm, a.rms_norm_eps)
+            x = ops.rms_norm(h, lw.post_norm, eps)
+            h = h + self.gemm(ops.silu_mul(self.gemm(x, lw.gate_up)), lw.down)
+        last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

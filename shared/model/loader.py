@@ -7,12 +7,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import LinearBackend
+from shared.config import LinearBackend, PointwiseBackend
 from shared.errors import ConfigError, ModelFormatError
 from shared.kv.layout import torch_dtype
 from shared.model.arch import LlamaArch
 from shared.model.linear import select_linear
 from shared.model.llama import LlamaModel
+from shared.model.pointwise import select_pointwise
 from shared.model.registry import ResolvedModel, resolve
 from shared.model.tokenizer import Tokenizer
 from shared.model.weights import load_state_dict
@@ -36,6 +37,7 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     linear: LinearBackend = "auto",
+    pointwise: PointwiseBackend = "auto",
     kernel_dir: Path | None = None,
     progress: bool = True,
 ) -> LoadedModel:
@@ -46,6 +48,7 @@ def load_model(
         dtype=dtype,
         device=device,
         linear=linear,
+        pointwise=pointwise,
         kernel_dir=kernel_dir or cache_dir / "kernels",
     )
 
@@ -65,6 +68,7 @@ def load_resolved(
     device: str,
     kernel_dir: Path,
     linear: LinearBackend = "auto",
+    pointwise: PointwiseBackend = "auto",
 ) -> LoadedModel:
     if device == "cpu" and dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
@@ -73,7 +77,14 @@ def load_resolved(
     tokenizer = Tokenizer.from_folder(resolved.folder)
     state = load_state_dict(resolved.folder)
     dt = torch_dtype(dtype)
-    model = LlamaModel(arch, state, dt, device, select_linear(linear, dt, device, kernel_dir))
+    model = LlamaModel(
+        arch,
+        state,
+        dt,
+        device,
+        select_linear(linear, dt, device, kernel_dir),
+        select_pointwise(pointwise, dt, device, kernel_dir),
+    )
     return LoadedModel(
         name=resolved.name,
         identity=resolved.identity,

@@ -31,9 +31,11 @@ def inv_frequencies(arch: LlamaArch) -> torch.Tensor:
 
 
 class Rope:
-    """Precomputed cos/sin for every position up to the model's context length."""
+    """Precomputed cos/sin ``[max_position, head_dim]`` (contiguous) for every
+    position up to the model's context length."""
 
     def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: str):
+        self.head_dim = arch.head_dim
         inv = inv_frequencies(arch).float()
         pos = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
@@ -42,7 +44,7 @@ class Rope:
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[N, 1, head_dim]`` for ``positions`` (gathered once per forward)."""
+        """cos and sin ``[N, 1, head_dim]`` for ``positions``."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
     @staticmethod

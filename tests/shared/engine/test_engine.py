@@ -105,6 +105,21 @@ def test_linear_backends_agree(
     assert_same_generations(Engine(other, EngineConfig()).generate(prompts, params), default)
 
 
+def test_pointwise_backends_agree(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel, cache_dir: Path
+) -> None:
+    """The native row-wise kernels (RMSNorm, RoPE, silu * up) and the torch ops
+    give the same greedy tokens and logprobs."""
+    if loaded_fp32.model.ops.name != "native":
+        pytest.skip("the native pointwise kernels are unavailable here")
+    prompts = _prompts(loaded_fp32)[:3]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    native = make_engine().generate(prompts, params)
+    plain = load_model(None, cache_dir=cache_dir, pointwise="torch", progress=False)
+    assert plain.model.ops.name == "torch"
+    assert_same_generations(Engine(plain, EngineConfig()).generate(prompts, params), native)
+
+
 def test_chunked_prefill_matches_one_shot(
     make_engine: EngineFactory, loaded_fp32: LoadedModel
 ) -> None:

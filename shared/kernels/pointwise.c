@@ -1,0 +1,109 @@
+/* The decoder's row-wise ops for CPU, fp32 and bf16: RMSNorm, rotary position
+ * embedding (in place on the fused QKV rows) and SwiGLU's silu(gate) * up.
+ *
+ * torch runs each of these as several ops with a temporary per op (RoPE is
+ * eight: two slices, a negation, a concatenation, two products and a sum);
+ * here each is one pass over its rows. Math is fp32; a bf16 result is rounded
+ * where torch's bf16 ops round (after the normalization and again after the
+ * weight; each RoPE product and the sum; silu and the product), so bf16
+ * results match torch's path and Hugging Face's except where fp32 sums are
+ * ordered differently.
+ *
+ * Rows are independent and each is computed start to end by one thread, so a
+ * row's result does not depend on its batch or the thread count.
+ *
+ * Built on first use by shared/kernels/build.py, called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "vector_math.h"
+
+/* One thread for a few rows: a parallel region costs more than they do. */
+#define PARALLEL_ROWS "omp parallel for if (rows >= 16) num_threads(threads) schedule(static)"
+
+INLINE float round_f32(float x) { return x; }
+INLINE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* exp(x) for any x that silu meets, from the non-positive kernel: silu(x) =
+ * x / (1 + e^-x) for x >= 0 and x e^x / (1 + e^x) below. */
+INLINE float silu(float x) {
+    float e = exp_nonpositive(x >= 0.f ? -x : x);
+    return x >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+}
+
+/* out[r] = round(round(x[r] / rms(x[r])) * w) for rows of `width`. */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                        \
+    void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t width, float eps,       \
+              int threads) {                                                                \
+        _Pragma(PARALLEL_ROWS)                                                              \
+        for (int64_t r = 0; r < rows; r++) {                                                \
+            const T *xr = x + r * width;                                                    \
+            float ss = 0.f;                                                                 \
+            for (int64_t i = 0; i < width; i++) ss += LOAD(xr[i]) * LOAD(xr[i]);           \
+            float inv = 1.f / sqrtf(ss / (float)width + eps);                               \
+            for (int64_t i = 0; i < width; i++)                                             \
+                out[r * width + i] = STORE(ROUND(LOAD(xr[i]) * inv) * LOAD(w[i]));          \
+        }                                                                                   \
+    }
+
+/* Rotate-half RoPE in place on the first `heads` head_dim-wide slices of each
+ * row (the query and key heads of a fused QKV row `stride` values long), by
+ * row r's angles cos/sin[positions[r]] (tables [max_position, head_dim]). */
+#define DEFINE_ROPE(NAME, T, LOAD, STORE, ROUND)                                            \
+    void NAME(T *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d,              \
+              const T *cos_t, const T *sin_t, const int64_t *positions, int threads) {       \
+        int64_t half = d / 2;                                                               \
+        _Pragma(PARALLEL_ROWS)                                                              \
+        for (int64_t r = 0; r < rows; r++) {                                                \
+            const T *c = cos_t + positions[r] * d, *s = sin_t + positions[r] * d;           \
+            for (int64_t h = 0; h < heads; h++) {                                           \
+                T *x = qkv + r * stride + h * d;                                            \
+                for (int64_t i = 0; i < half; i++) {                                        \
+                    float a = LOAD(x[i]), b = LOAD(x[i + half]);                            \
+                    float lo = ROUND(a * LOAD(c[i])) + ROUND(-b * LOAD(s[i]));              \
+                    float hi = ROUND(b * LOAD(c[i + half])) + ROUND(a * LOAD(s[i + half])); \
+                    x[i] = STORE(lo);                                                       \
+                    x[i + half] = STORE(hi);                                                \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+#if defined(__AVX512F__)
+INLINE __m512 vsilu(__m512 x) {
+    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
+}
+/* 16 outputs at a time; the scalar loop after it finishes the row */
+#define SILU_MUL_VECTOR(VLOAD, VSTORE, VROUND)                                              \
+    for (; i + 16 <= width; i += 16)                                                        \
+        VSTORE(out + r * width + i, _mm512_mul_ps(VROUND(vsilu(VLOAD(g + i))), VLOAD(u + i)));
+#else
+#define SILU_MUL_VECTOR(VLOAD, VSTORE, VROUND)
+#endif
+
+/* out[r, i] = round(round(silu(g[r, i])) * u[r, i]) where row r of gate_up is
+ * [g | u], each `width` long. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
+    void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int threads) {         \
+        _Pragma(PARALLEL_ROWS)                                                              \
+        for (int64_t r = 0; r < rows; r++) {                                                \
+            const T *g = gate_up + r * 2 * width, *u = g + width;                           \
+            int64_t i = 0;                                                                  \
+            SILU_MUL_VECTOR(VLOAD, VSTORE, VROUND)                                          \
+            for (; i < width; i++)                                                          \
+                out[r * width + i] = STORE(ROUND(silu(LOAD(g[i]))) * LOAD(u[i]));           \
+        }                                                                                   \
+    }
+
+DEFINE_RMS_NORM(baton_rms_norm_f32, float, load_f32, store_f32, round_f32)
+DEFINE_RMS_NORM(baton_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROPE(baton_rope_f32, float, load_f32, store_f32, round_f32)
+DEFINE_ROPE(baton_rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_SILU_MUL(baton_silu_mul_f32, float, load_f32, store_f32, round_f32, vload_f32, vstore_f32,
+                vround_f32)
+DEFINE_SILU_MUL(baton_silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16, vload_bf16,
+                vstore_bf16, vround_bf16)

@@ -1,0 +1,114 @@
+"""The decoder's row-wise ops: RMSNorm, rotary embedding, SwiGLU's activation.
+
+Two implementations of one boundary. :class:`TorchPointwise` is plain torch,
+op by op, as Hugging Face writes them. :class:`NativePointwise` runs each as
+one pass in C (``shared/kernels/pointwise.c``): torch spends most of these
+ops' time on dispatch and temporaries (RoPE of one decode row's query and key
+heads is eight ops, 25-40 us; one C call, 3 us). In bf16 both give the same
+bits; in fp32 they differ in the last place where sums are ordered
+differently. :func:`select_pointwise` picks one for a model.
+
+Ownership: inputs are only read, except :meth:`Pointwise.rotary`'s ``qkv``,
+which an implementation may rotate in place (it is the caller's scratch: the
+fused QKV GEMM's output).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.config import PointwiseBackend
+from shared.errors import ConfigError, KernelBuildError
+from shared.kernels.pointwise import PointwiseKernel
+from shared.model.rope import Rope
+
+log = logging.getLogger(__name__)
+
+
+class Pointwise(ABC):
+    name: str
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / rms(x) * weight`` over the last dim of ``[rows, width]``."""
+
+    @abstractmethod
+    def rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, heads: int, kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query ``[rows, heads, d]`` and key ``[rows, kv_heads, d]`` heads
+        of the fused rows ``qkv`` (``[q | k | v]``), rotated to ``positions``."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``[rows, 2 * width]`` rows laid out ``[gate | up]``."""
+
+
+class TorchPointwise(Pointwise):
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+    def rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, heads: int, kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, d = qkv.shape[0], rope.head_dim
+        cos, sin = rope.at(positions)
+        q = Rope.apply(qkv[:, : heads * d].view(n, heads, d), cos, sin)
+        k = Rope.apply(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d), cos, sin)
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativePointwise(Pointwise):
+    name = "native"
+
+    def __init__(self, kernel: PointwiseKernel):
+        self.kernel = kernel
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernel.rms_norm(x.contiguous(), weight, eps)
+
+    def rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, heads: int, kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, d = qkv.shape[0], rope.head_dim
+        self.kernel.rope_(qkv, heads + kv_heads, d, rope.cos, rope.sin, positions)
+        q = qkv[:, : heads * d].view(n, heads, d)
+        return q, qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernel.silu_mul(gate_up.contiguous())
+
+
+def select_pointwise(
+    backend: PointwiseBackend, dtype: torch.dtype, device: str, kernel_dir: Path
+) -> Pointwise:
+    """``native`` (an error where it cannot run), ``torch``, or ``auto``: native
+    on CPU where it builds, torch otherwise."""
+    if backend == "torch" or (backend == "auto" and device != "cpu"):
+        return TorchPointwise()
+    problem = None
+    if device != "cpu":
+        problem = f"they run on the CPU, not {device}"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        problem = f"they run fp32 and bf16, not {dtype}"
+    else:
+        try:
+            return NativePointwise(PointwiseKernel.build(kernel_dir))
+        except KernelBuildError as e:
+            problem = str(e)
+    if backend == "native":
+        raise ConfigError(f"the native pointwise kernels are unavailable: {problem}")
+    log.warning("native pointwise kernels unavailable, using torch: %s", problem)
+    return TorchPointwise()

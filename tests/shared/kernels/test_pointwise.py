@@ -1,0 +1,123 @@
+"""The native row-wise kernels (RMSNorm, RoPE, silu * up) against the torch ops
+they replace: the same bits in bf16, the last place in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.config import default_cache_dir
+from shared.kernels.pointwise import PointwiseKernel
+from shared.model.arch import LlamaArch
+from shared.model.pointwise import TorchPointwise
+from shared.model.rope import Rope
+from tests.shared.kernels.compiler import has_compiler
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = [1, 5, 16, 33]
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PointwiseKernel:
+    if not has_compiler():
+        pytest.skip("no C compiler on this machine")
+    return PointwiseKernel.build(default_cache_dir() / "kernels")
+
+
+def _arch() -> LlamaArch:
+    return LlamaArch(
+        vocab_size=64,
+        hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm(kernel: PointwiseKernel, dtype: torch.dtype, rows: int) -> None:
+    x = _randn(rows, 576, dtype=dtype, seed=rows, scale=3.0)
+    w = _randn(576, dtype=dtype, seed=100)
+    _same(kernel.rms_norm(x, w, 1e-5), TorchPointwise().rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul(kernel: PointwiseKernel, dtype: torch.dtype, rows: int) -> None:
+    # width 1544: 96 vectors of 16 and a scalar tail of 8; values far into both tails of silu
+    gate_up = _randn(rows, 2 * 1544, dtype=dtype, seed=rows, scale=8.0)
+    _same(kernel.silu_mul(gate_up), TorchPointwise().silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope_rotates_query_and_key_heads_only(
+    kernel: PointwiseKernel, dtype: torch.dtype, rows: int
+) -> None:
+    rope = Rope(_arch(), dtype, "cpu")
+    qkv = _randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype, seed=rows)
+    positions = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(rows))
+    want_q, want_k = TorchPointwise().rotary(qkv, positions, rope, HEADS, KV_HEADS)
+    rotated = qkv.clone()
+    kernel.rope_(rotated, HEADS + KV_HEADS, HEAD_DIM, rope.cos, rope.sin, positions)
+    q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
+    _same(rotated[:, :q_end].view(rows, HEADS, HEAD_DIM), want_q)
+    _same(rotated[:, q_end:k_end].view(rows, KV_HEADS, HEAD_DIM), want_k)
+    assert torch.equal(rotated[:, k_end:], qkv[:, k_end:])  # V untouched
+
+
+def test_rows_do_not_depend_on_the_batch_or_threads(kernel: PointwiseKernel) -> None:
+    x = _randn(40, 576, dtype=torch.float32, seed=1)
+    w = _randn(576, dtype=torch.float32, seed=2)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = kernel.rms_norm(x, w, 1e-5)
+        silu = kernel.silu_mul(x)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.rms_norm(x, w, 1e-5), full)
+        assert torch.equal(kernel.silu_mul(x), silu)
+        assert torch.equal(kernel.rms_norm(x[3:4], w, 1e-5), full[3:4])
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_refusals(kernel: PointwiseKernel) -> None:
+    x = torch.randn(4, 64)
+    rope = Rope(_arch(), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel.rms_norm(x.t(), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="weight shape"):
+        kernel.rms_norm(x, torch.ones(63), 1e-5)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernel.silu_mul(x.half())
+    with pytest.raises(ValueError, match="even"):
+        kernel.silu_mul(x[:, :63].contiguous())
+    qkv = torch.randn(2, 15 * HEAD_DIM)
+    with pytest.raises(ValueError, match="positions outside"):
+        kernel.rope_(qkv, 12, HEAD_DIM, rope.cos, rope.sin, torch.tensor([0, 4096]))
+    with pytest.raises(ValueError, match="heads x head_dim"):
+        kernel.rope_(qkv, 16, HEAD_DIM, rope.cos, rope.sin, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="angle table dtype"):
+        kernel.rope_(qkv, 12, HEAD_DIM, rope.cos.bfloat16(), rope.sin, torch.tensor([0, 1]))
