@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.results import save_json
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
+from shared.config import CacheConfig, EngineConfig, HugePages, SchedulerConfig, default_cache_dir
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel, load_model
@@ -53,10 +53,12 @@ def prompt_ids(n: int, salt: int, vocab: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, loaded: LoadedModel, dtype: str):
+    def __init__(self, loaded: LoadedModel, dtype: str, huge_pages: HugePages = "auto"):
         cfg = EngineConfig(
             dtype=dtype,  # type: ignore[arg-type]
-            cache=CacheConfig(kv_cache_bytes=2 << 30, enable_prefix_caching=False),
+            cache=CacheConfig(
+                kv_cache_bytes=2 << 30, enable_prefix_caching=False, huge_pages=huge_pages
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=128),
         )
         self.engine = Engine(loaded, cfg)

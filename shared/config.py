@@ -24,6 +24,8 @@ AttentionBackend = Literal["auto", "native", "torch"]
 LinearBackend = Literal["auto", "native", "onednn", "torch"]
 # RMSNorm, RoPE, SwiGLU's activation: native C kernels (CPU), torch, or native where they build
 PointwiseBackend = Literal["auto", "native", "torch"]
+# the KV pool on 2 MB pages the host reserved: when free (auto), required (on), never (off)
+HugePages = Literal["auto", "on", "off"]
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -38,6 +40,7 @@ class CacheConfig:
     # touch every page of the pool at start-up: a first touch costs a page fault
     # (0.2-0.5 GB/s on this VM), which would otherwise stall a step or a transfer
     prefault: bool = False
+    huge_pages: HugePages = "auto"
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class BatonSettings(BaseSettings):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     prefault_kv: bool = True  # services; `baton generate` (one shot) skips it
+    kv_huge_pages: HugePages = "auto"
     # services: CPUs for the engine thread alone (BATON_CPUS pins the whole process), so
     # HTTP and KV transfers can run on other cores than the model, e.g. "1"
     engine_cpus: str | None = Field(default=None, pattern=r"^\d+(,\d+)*$")
@@ -147,6 +151,7 @@ class BatonSettings(BaseSettings):
                 kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefault=self.prefault_kv,
+                huge_pages=self.kv_huge_pages,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

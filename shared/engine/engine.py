@@ -89,7 +89,10 @@ class Engine:
             dtype=dtype_name(loaded.model.dtype),  # the KV pool holds what the model computes
         )
         self.kv_cache = KVCache.for_memory(
-            self.layout, config.cache.kv_cache_bytes, loaded.model.device
+            self.layout,
+            config.cache.kv_cache_bytes,
+            loaded.model.device,
+            config.cache.huge_pages,
         )
         if config.cache.prefault:
             self.kv_cache.prefault()

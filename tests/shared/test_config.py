@@ -15,12 +15,14 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("BATON_ATTENTION", "torch")
     monkeypatch.setenv("BATON_LINEAR", "onednn")
     monkeypatch.setenv("BATON_POINTWISE", "torch")
+    monkeypatch.setenv("BATON_KV_HUGE_PAGES", "off")
     monkeypatch.setenv("BATON_CACHE_DIR", "/data/baton")
     monkeypatch.setenv("BATON_ENGINE_CPUS", "1,3")
     assert BatonSettings().engine_cpu_set() == {1, 3}
     cfg = BatonSettings().engine_config()
     assert cfg.attention == "torch" and str(cfg.kernel_dir) == "/data/baton/kernels"
     assert cfg.linear == "onednn" and cfg.pointwise == "torch"
+    assert cfg.cache.huge_pages == "off"
     assert cfg.model == "/models/x.gguf" and cfg.dtype == "bfloat16"
     assert cfg.cache.kv_cache_bytes == 1 << 29 and not cfg.cache.enable_prefix_caching
     assert cfg.scheduler.max_num_batched_tokens == 512
@@ -36,6 +38,7 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
         ("BATON_ATTENTION", "flash"),
         ("BATON_LINEAR", "mkl"),
         ("BATON_POINTWISE", "triton"),
+        ("BATON_KV_HUGE_PAGES", "yes"),
         ("BATON_ENGINE_CPUS", "1-3"),
     ],
 )

@@ -1,10 +1,14 @@
-"""The KV pool's memory: zero, aligned, and not touched until used."""
+"""The KV pool's memory: zero, aligned, not touched until used, and on huge pages
+where the host reserved them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from shared.kv.kv_cache import KVCache
+from shared.config import HugePages
+from shared.errors import ConfigError
+from shared.kv.kv_cache import HUGE_PAGE_BYTES, KVCache
 from shared.kv.layout import KVLayout
 
 
@@ -17,3 +21,42 @@ def test_pool_is_zero_and_page_aligned() -> None:
     k, v = cache.layer(1)
     k[3, 2] = 1.0
     assert cache.pool.float().sum() == 3 * 64 and not v.any()
+
+
+def _free_huge_pages() -> int:
+    """Free reserved 2 MB huge pages on this host (0 where there are none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Free:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+
+
+@pytest.mark.parametrize("huge_pages", ["auto", "off"])
+def test_every_huge_page_setting_gives_a_usable_pool(huge_pages: HugePages) -> None:
+    cache = KVCache(LAYOUT, num_blocks=7, huge_pages=huge_pages)
+    assert cache.pool.shape == (7, *LAYOUT.block_shape)
+    assert cache.pool.data_ptr() % 4096 == 0 and not cache.pool.any()
+    cache.layer(1)[0][6, 15] = 2.0
+    assert cache.pool.sum() == 2.0 * 3 * 64
+
+
+def test_required_huge_pages_come_from_the_reserve_or_fail_clearly() -> None:
+    """``on`` takes 2 MB pages the host reserved (visible in /proc/meminfo once
+    touched) and is a clear error where there are not enough."""
+    blocks = (4 * HUGE_PAGE_BYTES) // LAYOUT.block_bytes  # about 8 MB
+    free = _free_huge_pages()
+    if free < 8:
+        with pytest.raises(ConfigError, match="nr_hugepages"):
+            KVCache(LAYOUT, num_blocks=blocks, huge_pages="on")
+        return
+    cache = KVCache(LAYOUT, num_blocks=blocks, huge_pages="on")
+    assert cache.pool.data_ptr() % HUGE_PAGE_BYTES == 0
+    cache.prefault()
+    assert _free_huge_pages() <= free - 4
