@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
-import torch
-
+from benchmarks.decode_args import decode_parser, load_default_model
 from benchmarks.engine_bench import Ours
 from benchmarks.results import save_json
-from shared.config import default_cache_dir
-from shared.model.loader import LoadedModel, load_model
+from shared.model.loader import LoadedModel
 
 
 def measure(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[str, object]:
@@ -47,16 +44,8 @@ def measure(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = load_model(None, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False)
+    args = decode_parser(__doc__, repeats=10).parse_args()
+    loaded = load_default_model(args)
     results = []
     for batch in args.batch:
         row = measure(loaded, args, batch)

@@ -13,23 +13,20 @@ add a few microseconds per call, so the totals run slightly above
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.decode_args import decode_parser, load_default_model
 from benchmarks.engine_bench import Ours
 from benchmarks.results import save_json
-from shared.config import default_cache_dir
 from shared.model.attention import DecodeBatch
 from shared.model.attention_impl import AttentionImpl
 from shared.model.decode_attention import DecodeAttention
 from shared.model.linear import Linear, PackedWeight
-from shared.model.loader import load_model
 
 PARTS = ("gemm", "attention", "kv_write", "forward")
 
@@ -118,17 +115,10 @@ def breakdown(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--ctx", type=int, default=512)
+    p = decode_parser(__doc__, repeats=5)
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = load_model(None, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False)
+    loaded = load_default_model(args)
     clock = Clock()
     loaded.model.gemm = TimedLinear(loaded.model.gemm, clock)
     ours = Ours(loaded, args.dtype)
