@@ -17,6 +17,7 @@ from shared.config import (
     default_cache_dir,
 )
 from shared.engine.engine import Engine
+from shared.engine.kv_connector import KVConnector
 from shared.model.loader import LoadedModel, load_model
 from shared.procs import RedisProcess
 
@@ -49,6 +50,7 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
         enable_chunked_prefill: bool = True,
         attention: AttentionBackend = "auto",
         long_prefill_token_threshold: int = 0,
+        connector: KVConnector | None = None,
     ) -> Engine:
         config = EngineConfig(
             attention=attention,
@@ -62,7 +64,7 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
         )
-        return Engine(loaded_fp32, replace(config, dtype="float32"))
+        return Engine(loaded_fp32, replace(config, dtype="float32"), connector)
 
     return make
 

@@ -29,9 +29,8 @@ class Colocated(Worker):
         super().__init__(settings, baton)
 
     def load(self) -> dict[str, float]:
-        sched = self.engine.scheduler
-        pending = sum(r.num_prompt_tokens - r.num_computed_tokens for r in list(sched.waiting))
-        return {"running": float(len(sched.running)), "pending_tokens": float(pending)}
+        snap = self.loop.snapshot
+        return {"running": float(snap.running), "pending_tokens": float(snap.pending_tokens)}
 
     async def run(self, req: PrefillRequest) -> AsyncGenerator[BaseModel, None]:
         """The whole request here: ``accepted``, then every token (the first included)."""

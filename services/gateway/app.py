@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -26,12 +27,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from services.gateway.handoff import Generated, Handoff
+from services.gateway.handoff import CacheReport, Generated, Handoff
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.prefix_locator import PrefixLocator
 from services.gateway.responses import SSE_DONE, Kind, Prepared, ResponseBuilder, Step, sse
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
+from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
 from shared.config import BatonSettings
 from shared.errors import InvalidRequestError
@@ -54,9 +57,17 @@ class Gateway:
         self.redis = aioredis.from_url(
             cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
         )
+        keys = Keys(cluster.redis_prefix)
+        index = BlockIndex(self.redis, keys, cluster.index_ttl_s)
         self.router = Router(
-            self.redis, Keys(cluster.redis_prefix), model=model.name, refresh_s=settings.refresh_s
+            self.redis,
+            keys,
+            model=model.name,
+            refresh_s=settings.refresh_s,
+            balance_tokens=settings.balance_tokens,
+            index=index,
         )
+        self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -64,6 +75,7 @@ class Gateway:
         self.handoff = Handoff(
             self.http,
             self.router,
+            self.locator,
             attempts=settings.connect_attempts,
             colocated=settings.mode == "colocated",
         )
@@ -81,16 +93,25 @@ class Gateway:
         await self.redis.aclose()
 
     # -- edge checks -------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, request: Request) -> str | None:
+        """The caller's API key (None when the gateway requires none)."""
         keys = self.settings.api_keys
         if not keys:
-            return
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not any(
-            secrets.compare_digest(token.strip(), k) for k in keys
-        ):
+        token = token.strip()
+        if scheme.lower() != "bearer" or not any(secrets.compare_digest(token, k) for k in keys):
             raise ServiceError(401, "missing or invalid API key", code="invalid_api_key")
+        return token
+
+    def cache_salt(self, requested: str | None, api_key: str | None) -> str | None:
+        """The request's ``cache_salt``, scoped to its API key when the gateway salts by
+        key: requests of different keys (or salts) never share a KV block."""
+        if not self.settings.cache_salt_by_api_key or api_key is None:
+            return requested
+        tenant = hashlib.sha256(api_key.encode()).hexdigest()[:32]
+        return f"key:{tenant}" if requested is None else f"key:{tenant}|{requested}"
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_request_bytes
@@ -106,7 +127,9 @@ class Gateway:
                 )
         return bytes(body)
 
-    def prepare(self, kind: Kind, raw: bytes, request_id: str) -> tuple[Prepared, SamplingSpec]:
+    def prepare(
+        self, kind: Kind, raw: bytes, request_id: str, api_key: str | None = None
+    ) -> tuple[Prepared, SamplingSpec]:
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             body = model_cls.model_validate_json(raw)
@@ -172,7 +195,7 @@ class Gateway:
             include_usage=body.include_usage(),
             return_token_ids=body.return_token_ids,
             stream=body.stream,
-            cache_salt=body.cache_salt,
+            cache_salt=self.cache_salt(body.cache_salt, api_key),
         )
         return prepared, spec
 
@@ -210,6 +233,7 @@ class Timeline:
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.cache: CacheReport | None = None
 
     def token(self) -> None:
         now = time.perf_counter()
@@ -222,12 +246,15 @@ class Timeline:
         self.tokens += 1
 
     def end(self, outcome: str) -> None:
+        cache = self.cache
         log.info(
-            "request %s: %d tokens, ttft %s, e2e %.3fs",
+            "request %s: %d tokens, ttft %s, e2e %.3fs, cached tokens %s (router predicted %s)",
             outcome,
             self.tokens,
             f"{self.first - self.start:.3f}s" if self.first is not None else "-",
             time.perf_counter() - self.start,
+            cache.actual if cache is not None else "-",
+            cache.predicted if cache is not None else "-",
         )
         self.metrics.requests.labels(outcome).inc()
         self.metrics.output_tokens.inc(self.tokens)
@@ -251,8 +278,8 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
     request_id_var.set(request_id)
     headers = {REQUEST_ID_HEADER: request_id}
     try:
-        gw.check_auth(request)
-        prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id)
+        api_key = gw.check_auth(request)
+        prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id, api_key)
         gw.admit(prepared)
     except Exception as exc:
         gw.metrics.requests.labels("rejected").inc()
@@ -290,6 +317,10 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
         response.headers.update(headers)
         return response
     timeline.token()
+    if first.cache is not None:
+        builder.cached_tokens = first.cache.actual
+        gw.metrics.observe_cache(first.cache.predicted, first.cache.actual)
+        timeline.cache = first.cache
     if prepared.stream:
         body = _stream(gw, builder, first, tokens, timeline)
         return StreamingResponse(body, media_type="text/event-stream", headers=headers)

@@ -1,6 +1,8 @@
 """One request through the cluster: prefill -> KV store -> decode, as a stream of tokens.
 
-1. Pick a prefill (JSQ) and a decode instance (least load) together.
+1. Look the prompt's blocks up in the prompt index, then pick a prefill (lowest
+   estimated cost: queued work plus the tokens it would compute) and a decode
+   instance (least load) together.
 2. Prefill reserves the prompt's KV in the store and answers ``accepted`` with
    the transfer ids; decode is told at once and starts pulling while prefill
    computes (and streams layers into the store).
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from services.gateway.prefix_locator import PrefixHits, PrefixLocator
 from services.gateway.router import Pick, Router
 from shared.serving.background import Background
 from shared.serving.errors import ServiceError
@@ -52,6 +55,15 @@ DRAIN_S = 60.0
 class Generated:
     token: WireToken
     finish_reason: str | None  # set on the last token
+    cache: CacheReport | None = None  # on the first token
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """Prompt tokens the router expected to be reused, and those that were."""
+
+    predicted: int
+    actual: int
 
 
 @dataclass
@@ -122,23 +134,36 @@ async def open_stream(
 
 class Handoff:
     def __init__(
-        self, http: httpx.AsyncClient, router: Router, *, attempts: int, colocated: bool = False
+        self,
+        http: httpx.AsyncClient,
+        router: Router,
+        locator: PrefixLocator,
+        *,
+        attempts: int,
+        colocated: bool = False,
     ):
         self.http = http
         self.router = router
+        self.locator = locator
         self.attempts = attempts
         self.colocated = colocated
         self.background = Background()
 
     async def _open(
-        self, role: str, path: str, payload: str, request_id: str, cost: int
+        self,
+        role: str,
+        path: str,
+        payload: str,
+        request_id: str,
+        cost: int,
+        hits: PrefixHits,
     ) -> tuple[Pick, WorkerStream, Accepted]:
         """Open ``path`` on an instance of ``role`` and wait for ``accepted``. An instance
         that refuses the connection is benched and another tried (nothing was sent to
         the client yet); :meth:`Router.pick` raises 503 once none is left."""
         tried: set[str] = set()
         for attempt in range(self.attempts):
-            pick = self.router.pick(role, cost, tried)
+            pick = self.router.pick(role, cost, tried, hits)
             try:
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
             except httpx.TransportError as exc:  # refused, reset, or a dead pooled connection
@@ -169,8 +194,9 @@ class Handoff:
         """Open prefill, then decode (it pulls while prefill computes), and wait for the
         first token. On failure, whatever was opened is closed (the work cancelled)."""
         prompt, sampling = prefill_body.prompt_token_ids, prefill_body.sampling
+        hits = await self.locate(prompt, prefill_body.cache_salt)
         prefill_pick, prefill, accepted = await self._open(
-            "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt)
+            "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt), hits
         )
         started = Started(prefill_pick, prefill)
         try:
@@ -178,7 +204,7 @@ class Handoff:
                 body = DecodeRequest(**prefill_body.model_dump(), kv_ids=accepted.kv_ids)
                 # once accepted, decode reserves KV pool space and pulls from the store
                 started.decode_pick, started.decode, _ = await self._open(
-                    "decode", "/v1/decode", body.model_dump_json(), request_id, 1
+                    "decode", "/v1/decode", body.model_dump_json(), request_id, 1, hits
                 )
             first = await prefill.next()
             if not isinstance(first, FirstTokenEvent):
@@ -194,6 +220,15 @@ class Handoff:
         started.first = first
         started.drain = asyncio.create_task(self._drain(prefill), name=f"drain:{request_id}")
         return started
+
+    async def locate(self, prompt: list[int], cache_salt: str | None) -> PrefixHits:
+        return await self.locator.locate(
+            prompt,
+            cache_salt,
+            namespace=self.router.kv_namespace,
+            block_size=self.router.block_size,
+            live=self.router.live_roles(),
+        )
 
     def _release(self, started: Started, request_id: str) -> None:
         started.prefill_pick.done()
@@ -242,8 +277,9 @@ class Handoff:
             if first is None:
                 raise ServiceError(502, "prefill gave no first token")
             reason = first.finish_reason or ("length" if sampling.max_tokens == 1 else None)
+            cache = CacheReport(started.prefill_pick.predicted_cached, first.cached_tokens)
             if decode is None or started.decode_pick is None or reason is not None:
-                yield Generated(first.token, reason)
+                yield Generated(first.token, reason, cache)
                 return
             # the client gets the first token while it goes on to decode (one HTTP
             # round trip off TTFT); decode's stream is read only once it has it
@@ -252,7 +288,7 @@ class Handoff:
                 name=f"first-token:{worker_id}",
             )
             try:
-                yield Generated(first.token, None)
+                yield Generated(first.token, None, cache)
             except BaseException:
                 send.cancel()
                 raise
@@ -265,8 +301,10 @@ class Handoff:
     async def _generate_colocated(self, body: PrefillRequest) -> AsyncGenerator[Generated, None]:
         """The baseline: the whole request on one engine that does both phases."""
         rid = body.request_id
+        prompt = body.prompt_token_ids
+        hits = await self.locate(prompt, body.cache_salt)
         pick, stream, _ = await self._open(
-            "colocated", "/v1/generate", body.model_dump_json(), rid, len(body.prompt_token_ids)
+            "colocated", "/v1/generate", body.model_dump_json(), rid, len(prompt), hits
         )
         try:
             async for gen in _tokens(stream):

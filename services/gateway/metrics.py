@@ -30,6 +30,27 @@ class GatewayMetrics:
             registry=r,
         )
         self.live = Gauge("baton_live_instances", "Live instances per role", ["role"], registry=r)
+        self.cached_tokens = Counter(
+            "baton_prompt_cached_tokens", "Prompt tokens whose KV was reused", registry=r
+        )
+        self.predicted_cached_tokens = Counter(
+            "baton_router_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen prefill to reuse",
+            registry=r,
+        )
+        self.predictions = Counter(
+            "baton_router_predictions",
+            "Requests by how the router's cached-token prediction compared with what was "
+            "reused (exact, over: predicted more, under: predicted less)",
+            ["outcome"],
+            registry=r,
+        )
+
+    def observe_cache(self, predicted: int, actual: int) -> None:
+        self.cached_tokens.inc(actual)
+        self.predicted_cached_tokens.inc(predicted)
+        outcome = "exact" if predicted == actual else ("over" if predicted > actual else "under")
+        self.predictions.labels(outcome).inc()
 
     def render(self, refresh: Callable[[], None]) -> bytes:
         refresh()

@@ -60,6 +60,7 @@ class ResponseBuilder:
         self.detok = IncrementalDetokenizer(tokenizer, stop=prepared.stop)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens whose KV was reused
         self._chunks = 0
         self._text_offset = 0
 
@@ -155,6 +156,7 @@ class ResponseBuilder:
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     # -- whole response ------------------------------------------------------------------

@@ -5,13 +5,20 @@ heartbeat), so a new replica takes traffic within one heartbeat interval and
 a stopped one (deregistered) or a dead one (key expired) stops getting any.
 An instance that refuses connections is benched locally for a few seconds
 before its key expires. While Redis is down the last known set is kept
-(degraded, not dead).
+(degraded, not dead). Every ``reap_s`` the router also clears the prompt
+index entries of instances that are no longer live.
 
-Prefill: join the shortest queue (Splitwise JSQ), counted in prompt tokens:
-the instance's published ``pending_tokens`` plus what this gateway sent it
-since. Decode: least loaded: published running + queued requests plus this
-gateway's requests in flight there. Only instances of the gateway's model and
-KV namespace qualify (a decode cannot read a prefill's KV otherwise).
+Prefill: the lowest estimated cost, counted in prompt tokens: the instance's
+queued work (its published ``pending_tokens`` plus what this gateway sent it
+since) plus the prompt tokens it would have to compute (those neither in its
+own pool nor in the store), plus a small charge for tokens it would pull from
+the store. Only instances whose queued work is within ``balance_tokens`` of
+the least loaded one compete, so one hot prefix cannot pile everything on one
+instance (Splitwise JSQ, with cache locality as in SGLang's cache-aware router
+and llm-d's prefix scorer). Decode: least loaded (published running + queued
+requests plus this gateway's requests there), ties broken by the blocks an
+instance already holds. Only instances of the gateway's model and KV
+namespace qualify (a decode cannot read a prefill's KV otherwise).
 """
 
 from __future__ import annotations
@@ -26,15 +33,19 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.gateway.prefix_locator import NO_HITS, STORE_ROLE, PrefixHits
+from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Member, live_members
 from shared.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "colocated")
-# what JSQ counts per role
+ROUTED = ("prefill", "decode", "colocated")
+ROLES = (*ROUTED, STORE_ROLE)
+# what the queues count per role
 LOAD_KEYS = {"prefill": "pending_tokens", "decode": "running", "colocated": "pending_tokens"}
 BENCH_S = 5.0
+PULL_TOKEN_COST = 0.02  # a token pulled from the store costs about 1/50 of computing it
 
 
 @dataclass
@@ -44,6 +55,7 @@ class Pick:
     member: Member
     cost: float
     router: Router
+    predicted_cached: int = 0  # prompt tokens the instance should not have to compute
 
     @property
     def url(self) -> str:
@@ -56,16 +68,30 @@ class Pick:
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, model: str, refresh_s: float):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        model: str,
+        refresh_s: float,
+        balance_tokens: float = 4096.0,
+        index: BlockIndex | None = None,
+        reap_s: float = 10.0,
+    ):
         self.redis = redis
         self.keys = keys
         self.model = model
         self.refresh_s = refresh_s
+        self.balance_tokens = balance_tokens
+        self.index = index
+        self.reap_s = reap_s
         self.members: dict[str, list[Member]] = {r: [] for r in ROLES}
         self.local: defaultdict[str, float] = defaultdict(float)
         self.benched: dict[str, float] = {}
         self.redis_ok = False
         self.kv_namespace: str | None = None
+        self.block_size: int | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> None:
@@ -78,16 +104,40 @@ class Router:
             return
         self.redis_ok = True
         for role, members in found.items():
-            self.members[role] = [m for m in members if m.model == self.model]
-        namespaces = {m.kv_namespace for ms in self.members.values() for m in ms}
+            self.members[role] = [m for m in members if role == STORE_ROLE or m.model == self.model]
+        workers = [m for r in ROUTED for m in self.members[r]]
+        namespaces = {m.kv_namespace for m in workers}
         if len(namespaces) > 1:
             log.warning("workers disagree on the KV layout: %s", sorted(map(str, namespaces)))
-        if self.members["prefill"]:
-            self.kv_namespace = self.members["prefill"][0].kv_namespace
+        prompt_role = self.members["prefill"] or self.members["colocated"]
+        if prompt_role:
+            self.kv_namespace = prompt_role[0].kv_namespace
+            self.block_size = prompt_role[0].block_size
+
+    async def reap(self) -> list[str]:
+        """Clear the index entries of every instance that is no longer live."""
+        if self.index is None:
+            return []
+        registered = await self.index.instances()  # before membership: see instances()
+        await self.refresh()
+        if not self.redis_ok:
+            return []
+        dead = sorted(registered - set(self.live_roles()))
+        for instance_id in dead:
+            removed = await self.index.clear(instance_id)
+            log.info("cleared %d index entries of %s (no longer live)", removed, instance_id)
+        return dead
 
     async def _loop(self) -> None:
+        last_reap = time.monotonic()
         while True:
             await self.refresh()
+            if time.monotonic() - last_reap >= self.reap_s:
+                last_reap = time.monotonic()
+                try:
+                    await self.reap()
+                except (RedisError, OSError) as exc:
+                    log.warning("clearing dead instances' index entries failed: %s", exc)
             await asyncio.sleep(self.refresh_s)
 
     async def start(self) -> None:
@@ -107,6 +157,10 @@ class Router:
             out = [m for m in out if m.kv_namespace == self.kv_namespace]
         return out
 
+    def live_roles(self) -> dict[str, str]:
+        """Instance id -> role of every live instance (stores included)."""
+        return {m.instance_id: role for role in ROLES for m in self.members[role]}
+
     def bench(self, member: Member) -> None:
         """Stop routing to ``member`` for a while (it refused a connection)."""
         self.benched[member.instance_id] = time.monotonic() + BENCH_S
@@ -115,18 +169,47 @@ class Router:
         """Published load plus what this gateway sent there since."""
         return member.load.get(LOAD_KEYS[role], 0.0) + self.local[member.instance_id]
 
-    def pick(self, role: str, cost: float, exclude: set[str] | None = None) -> Pick:
-        """Prefill: fewest pending prompt tokens (JSQ), ``cost`` = this prompt's tokens.
-        Decode: fewest running requests, ``cost`` = 1. Raises 503 when none is live."""
+    def pick(
+        self,
+        role: str,
+        cost: int,
+        exclude: set[str] | None = None,
+        hits: PrefixHits = NO_HITS,
+    ) -> Pick:
+        """Prefill (and colocated): ``cost`` is the prompt's length; the cheapest instance
+        within the balance bound. Decode: ``cost`` = 1; the least loaded. Raises 503
+        when none is live."""
         excluded = exclude or set()
         members = [m for m in self.live(role) if m.instance_id not in excluded]
         if not members:
             raise ServiceError(
                 503, f"no live {role} instance is available", code="no_live_instance"
             )
-        best = min(members, key=lambda m: self.score(m, role))
-        self.local[best.instance_id] += cost
-        return Pick(best, float(cost), self)
+        if role == "decode":
+            best = min(
+                members,
+                key=lambda m: (self.score(m, role), -hits.local.get(m.instance_id, 0)),
+            )
+            self.local[best.instance_id] += cost
+            return Pick(best, float(cost), self)
+        return self._pick_prompt(role, members, cost, hits)
+
+    def _pick_prompt(self, role: str, members: list[Member], n: int, hits: PrefixHits) -> Pick:
+        queued = {m.instance_id: self.score(m, role) for m in members}
+        bound = min(queued.values()) + self.balance_tokens
+        candidates = [m for m in members if queued[m.instance_id] <= bound]
+
+        def estimate(m: Member) -> tuple[float, float, str]:
+            iid = m.instance_id
+            uncached = n - hits.cached(iid)
+            pulled = max(0, hits.store - hits.local.get(iid, 0))
+            return (queued[iid] + uncached + PULL_TOKEN_COST * pulled, queued[iid], iid)
+
+        best = min(candidates, key=estimate)
+        cached = min(hits.cached(best.instance_id), n - 1)
+        work = n - cached
+        self.local[best.instance_id] += work
+        return Pick(best, float(work), self, predicted_cached=cached)
 
     def queue_depths(self) -> dict[str, float]:
         out = {}

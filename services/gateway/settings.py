@@ -24,6 +24,11 @@ class GatewaySettings(BaseSettings):
     refresh_s: float = Field(default=0.5, gt=0)  # membership poll (half a heartbeat)
     worker_timeout_s: float = Field(default=600.0, gt=0)
     connect_attempts: int = Field(default=3, ge=1)  # instances tried per role and request
+    # cache-aware routing competes only among prefill instances whose queued work is
+    # within this many tokens of the least loaded one (a hot prefix cannot pile up)
+    balance_tokens: float = Field(default=4096.0, ge=0)
+    # scope every request's cache_salt to its API key: tenants never share KV blocks
+    cache_salt_by_api_key: bool = False
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -42,7 +42,7 @@ class KVStoreNode:
         )
         self.keys = Keys(cluster.redis_prefix)
         index = BlockIndex(self.redis, self.keys, cluster.index_ttl_s)
-        self.publisher = IndexPublisher(index, settings.instance_id, lambda: self.store.held_ids())
+        self.publisher = IndexPublisher(index, settings.instance_id)
         self.store = BlockStore(settings.store_config(), self.metrics, self.publisher)
         self.metrics.bind_gauges(self.store.stats)
         self.dataplane = DataPlane(self.store, self.metrics, self._publish)
@@ -81,7 +81,7 @@ class KVStoreNode:
         self.heartbeat = Heartbeat.for_cluster(
             self.redis, self.cluster, member, load=self.store.stats, on_reconnect=resync
         )
-        self.publisher.start()
+        await self.publisher.start()
         await self.heartbeat.beat()
         self.heartbeat.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="kvstore-sweeper")

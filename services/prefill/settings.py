@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from shared.kvstore.pull_cost import PullPolicy
 from shared.serving.worker import WorkerSettings
 
 
@@ -16,3 +17,6 @@ class PrefillSettings(WorkerSettings):
     # prompts shorter than this send whole blocks once, after the last layer (Splitwise
     # does both: per-layer messages cost more than they hide for short prompts)
     layerwise_min_tokens: int = Field(default=0, ge=0)
+    # pull a cached prefix from the store when the cost model says it is cheaper than
+    # recomputing it (auto), always, or never (recompute; for measuring the crossover)
+    pull_policy: PullPolicy = "auto"

@@ -1,13 +1,19 @@
-"""The global prompt index: block id -> the instances that hold it.
+"""The global prompt index: block key -> the instances that hold that block.
 
-One Redis set per block id (members = instance ids), with a TTL refreshed on
-every registration. A batch is one Lua script call, atomic, so a reader never
-sees half of a batch. Readers filter holders by live membership,
-so a crashed instance's entries are ignored until their TTL removes them.
+Two kinds of Redis sets, kept in step by Lua scripts (each call atomic, so a
+reader never sees half of a batch): ``block:<key>`` holds the ids of the
+instances holding the block (KV store nodes, and prefill/decode instances for
+their local pools), ``holds:<instance>`` the keys one instance holds, so all
+of an instance's entries can be cleared when it starts, stops or is declared
+dead. Entries follow holdings: added on store commit and on local caching,
+removed on eviction. A TTL, refreshed while the holder lives, is only a
+backstop; readers also filter holders by live membership. A stale entry costs
+a failed lease and a recompute, never a wrong token.
 
-:class:`IndexPublisher` is the writer side for one instance: it coalesces
-added/removed ids and flushes them in the background; when Redis was
-unreachable it republishes everything the instance holds once Redis is back.
+:class:`IndexPublisher` is the writer side for one instance: it mirrors what
+the instance holds, coalesces changes and flushes them in the background;
+when Redis was unreachable, or the instance was declared dead meanwhile, it
+republishes everything it holds.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,21 +31,33 @@ from shared.cluster.keys import Keys
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.02
 BATCH = 2048
-# ARGV: key prefix, instance id, ttl ms, block ids...
+# KEYS: the instance's holds set. ARGV: block key prefix, instance id, ttl ms, keys...
 _ADD = """
 for i = 4, #ARGV do
   local key = ARGV[1] .. ARGV[i]
   redis.call('SADD', key, ARGV[2])
   redis.call('PEXPIRE', key, ARGV[3])
+  redis.call('SADD', KEYS[1], ARGV[i])
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return #ARGV - 3
 """
-# ARGV: key prefix, instance id, block ids...
+# KEYS: the instance's holds set. ARGV: block key prefix, instance id, keys...
 _REMOVE = """
 for i = 3, #ARGV do
   redis.call('SREM', ARGV[1] .. ARGV[i], ARGV[2])
+  redis.call('SREM', KEYS[1], ARGV[i])
 end
 return #ARGV - 2
+"""
+# KEYS: the instance's holds set. ARGV: block key prefix, instance id, batch size.
+# Removes up to one batch of the instance's entries; returns how many.
+_CLEAR = """
+local keys = redis.call('SPOP', KEYS[1], ARGV[3])
+for _, k in ipairs(keys) do
+  redis.call('SREM', ARGV[1] .. k, ARGV[2])
+end
+return #keys
 """
 
 
@@ -48,20 +66,43 @@ class BlockIndex:
         self.redis = redis
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
-        # One atomic script call per batch instead of two commands per block:
-        # commits are acknowledged only once indexed, so this is on the put path.
         self._add = redis.register_script(_ADD)
         self._remove = redis.register_script(_REMOVE)
+        self._clear = redis.register_script(_CLEAR)
 
     async def add(self, instance_id: str, ids: Sequence[str]) -> None:
+        holds = self.keys.holds(instance_id)
         for start in range(0, len(ids), BATCH):
             batch = ids[start : start + BATCH]
-            await self._add(args=[self.keys.block(""), instance_id, self.ttl_ms, *batch])
+            await self._add(
+                keys=[holds], args=[self.keys.block(""), instance_id, self.ttl_ms, *batch]
+            )
 
     async def remove(self, instance_id: str, ids: Sequence[str]) -> None:
+        holds = self.keys.holds(instance_id)
         for start in range(0, len(ids), BATCH):
             batch = ids[start : start + BATCH]
-            await self._remove(args=[self.keys.block(""), instance_id, *batch])
+            await self._remove(keys=[holds], args=[self.keys.block(""), instance_id, *batch])
+
+    async def clear(self, instance_id: str) -> int:
+        """Remove every entry of ``instance_id``; returns how many there were."""
+        holds = self.keys.holds(instance_id)
+        total = 0
+        while True:
+            n = int(await self._clear(keys=[holds], args=[self.keys.block(""), instance_id, BATCH]))
+            total += n
+            if n < BATCH:
+                return total
+
+    async def instances(self) -> set[str]:
+        """Every instance that has entries (live or not). To find the dead, read
+        membership after this: an instance registers before it publishes."""
+        prefix = self.keys.holds("")
+        found = set()
+        async for key in self.redis.scan_iter(match=self.keys.holds("*"), count=500):
+            name = key.decode() if isinstance(key, bytes) else str(key)
+            found.add(name[len(prefix) :])
+        return found
 
     async def holders(self, ids: Sequence[str]) -> list[set[str]]:
         if not ids:
@@ -73,7 +114,8 @@ class BlockIndex:
         return [{m.decode() if isinstance(m, bytes) else m for m in row} for row in rows]
 
     async def longest_prefix(self, ids: Sequence[str], live: set[str] | None = None) -> int:
-        """How many leading ids some (live) instance holds."""
+        """How many leading ids some (live) instance holds (not necessarily one instance:
+        a store client reads each block from whichever node holds it)."""
         hits = 0
         for holders in await self.holders(ids):
             if live is not None:
@@ -87,10 +129,12 @@ class BlockIndex:
 class IndexPublisher:
     """Background, coalescing writer of one instance's index entries."""
 
-    def __init__(self, index: BlockIndex, instance_id: str, held: Callable[[], list[str]]):
+    def __init__(self, index: BlockIndex, instance_id: str, refresh_s: float | None = None):
         self.index = index
         self.instance_id = instance_id
-        self.held = held
+        # re-add everything held this often, so the TTL only ends entries of the dead
+        self.refresh_s = refresh_s if refresh_s is not None else index.ttl_ms / 3000
+        self._held: set[str] = set()
         self._add: set[str] = set()
         self._remove: set[str] = set()
         self._resync = False
@@ -100,18 +144,27 @@ class IndexPublisher:
         self._task: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
 
-    def added(self, ids: Sequence[str]) -> None:
-        self._add.update(ids)
-        self._remove.difference_update(ids)
+    @property
+    def held(self) -> set[str]:
+        return set(self._held)
+
+    def added(self, ids: Iterable[str]) -> None:
+        ids = set(ids)
+        self._held |= ids
+        self._add |= ids
+        self._remove -= ids
         self._kick()
 
-    def removed(self, ids: Sequence[str]) -> None:
-        self._remove.update(ids)
-        self._add.difference_update(ids)
+    def removed(self, ids: Iterable[str]) -> None:
+        ids = set(ids)
+        self._held -= ids
+        self._remove |= ids
+        self._add -= ids
         self._kick()
 
     def resync(self) -> None:
-        """Republish everything held (after Redis came back)."""
+        """Republish everything held (after Redis came back, or the instance was declared
+        dead and its entries cleared while it lived)."""
         self._resync = True
         self._kick()
 
@@ -131,7 +184,7 @@ class IndexPublisher:
 
     async def _flush(self) -> bool:
         if self._resync:
-            self._add = set(self.held())
+            self._add = set(self._held)
             self._resync = False
         add, remove = sorted(self._add), sorted(self._remove)
         self._add.clear()
@@ -149,8 +202,14 @@ class IndexPublisher:
         return True
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time() + self.refresh_s
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_refresh - loop.time()))
+            if loop.time() >= next_refresh:
+                self._resync = True
+                next_refresh = loop.time() + self.refresh_s
             self._wake.clear()
             if await self.flush() and not (self._add or self._remove or self._resync):
                 self._idle.set()
@@ -162,7 +221,12 @@ class IndexPublisher:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Clear what an earlier process of this instance id left, then publish."""
+        try:
+            await self.index.clear(self.instance_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not clear old index entries of %s: %s", self.instance_id, exc)
         self._task = asyncio.create_task(self._loop(), name="index-publisher")
 
     async def stop(self, *, withdraw: bool) -> None:
@@ -173,5 +237,8 @@ class IndexPublisher:
                 await self._task
         if withdraw:
             self._add.clear()
-            self._remove.update(self.held())
-            await self.flush()
+            self._remove.clear()
+            try:
+                await self.index.clear(self.instance_id)
+            except (RedisError, OSError) as exc:
+                log.warning("could not withdraw the index entries of %s: %s", self.instance_id, exc)

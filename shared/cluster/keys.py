@@ -16,4 +16,9 @@ class Keys:
         return f"{self.prefix}:member:{role}:*"
 
     def block(self, block_id: str) -> str:
+        """The set of instances holding block ``block_id`` (a block key in hex)."""
         return f"{self.prefix}:block:{block_id}"
+
+    def holds(self, instance_id: str) -> str:
+        """The set of block ids one instance holds (to clear them all at once)."""
+        return f"{self.prefix}:holds:{instance_id}"

@@ -45,6 +45,7 @@ class Member(BaseModel):
     capacity_bytes: int | None = None
     model: str | None = None  # served model name (prefill/decode)
     kv_namespace: str | None = None  # model identity + KV layout: workers pair only when equal
+    block_size: int | None = None  # tokens per KV block (the gateway computes block keys)
     load: dict[str, float] = {}
     started_at: float = 0.0
 
@@ -121,15 +122,23 @@ class Heartbeat:
         )
 
     async def beat(self) -> bool:
+        """Refresh the key. If Redis was unreachable, or the key had expired (a stall
+        long enough for others to declare this instance dead and clear its index
+        entries), ``on_reconnect`` runs so the owner republishes what it holds."""
         record = self.member.model_copy(update={"load": self.load()})
         try:
-            await self.redis.set(self.key, record.model_dump_json(), px=self.ttl_ms)
+            previous = await self.redis.set(
+                self.key, record.model_dump_json(), px=self.ttl_ms, get=True
+            )
         except (RedisError, OSError) as exc:
             if self.healthy:
                 log.warning("Redis unreachable, running degraded: %s", exc)
             self.healthy = False
             return False
-        if not self.healthy and self.on_reconnect is not None:
+        lost = self.healthy and previous is None
+        if lost:
+            log.warning("membership key %s had expired; re-registered", self.key)
+        if (lost or not self.healthy) and self.on_reconnect is not None:
             await self.on_reconnect()
         self.healthy = True
         return True

@@ -1,8 +1,12 @@
 """The in-process engine: add requests, step, collect outputs, abort.
 
 ``step`` is the whole loop body: schedule, execute, update. Everything the
-services build (prefill, decode, the colocated baseline) drives this API, and
-it is the reference the disaggregated path is compared against token by token.
+services build (prefill, decode, the colocated baseline) drives this API and
+moves KV in and out only through the engine's :class:`KVConnector`; the
+engine is the reference the disaggregated path is compared against token by
+token. After every step and command the engine can describe itself in an
+immutable :class:`EngineSnapshot`, which other threads read instead of its
+live state.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import torch
 
 from shared.config import EngineConfig, default_cache_dir
 from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.model_runner import LayerHook, ModelRunner
+from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
+from shared.engine.kv_connector import KVConnector
+from shared.engine.model_runner import ModelRunner
 from shared.engine.request import (
+    CacheHit,
     FinishReason,
     Request,
     RequestId,
@@ -26,10 +33,10 @@ from shared.engine.request import (
     TokenLogprobs,
 )
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.snapshot import EngineSnapshot
 from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockHasher
-from shared.kv.block_pool import BlockId, BlockPool
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
 from shared.model.attention_impl import select_attention
@@ -39,6 +46,8 @@ from shared.model.loader import LoadedModel, load_model
 @dataclass
 class RequestTimings:
     arrival: float
+    admitted: float | None = None  # it first got KV slots
+    scheduled: float | None = None  # its first step began
     first_token: float | None = None
     finished: float | None = None
 
@@ -55,8 +64,12 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int
+    cache_hit: CacheHit
     timings: RequestTimings | None = None  # set on the finishing output
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cache_hit.tokens
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,9 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, connector: KVConnector | None = None
+    ):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -96,20 +111,25 @@ class Engine:
         )
         if config.cache.prefault:
             self.kv_cache.prefault()
-        self.block_pool = BlockPool(
-            self.kv_cache.num_blocks, enable_caching=config.cache.enable_prefix_caching
-        )
         self.hasher = BlockHasher(
             namespace=f"{loaded.identity}|{self.layout.describe()}",
             block_size=config.cache.block_size,
         )
+        self.kv = KVCacheManager(
+            self.kv_cache.num_blocks,
+            self.hasher,
+            enable_caching=config.cache.enable_prefix_caching,
+        )
+        self.connector = connector
+        if connector is not None:
+            connector.bind(self.kv_cache)
         self.max_model_len = arch.max_position_embeddings
         self.scheduler = Scheduler(
             config.scheduler,
-            self.block_pool,
-            self.hasher,
+            self.kv,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
+            connector=connector,
         )
         attention = select_attention(
             config.attention, loaded.model.dtype, arch.head_dim, config.device, config.kernel_dir
@@ -118,11 +138,17 @@ class Engine:
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.timings: dict[RequestId, RequestTimings] = {}
         self._next_id = 0
+        self._steps = 0
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was runnable)
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, *, cache_dir: Path | None = None, progress: bool = True
+        cls,
+        config: EngineConfig,
+        *,
+        cache_dir: Path | None = None,
+        progress: bool = True,
+        connector: KVConnector | None = None,
     ) -> Engine:
         loaded = load_model(
             config.model,
@@ -134,9 +160,58 @@ class Engine:
             kernel_dir=config.kernel_dir,
             progress=progress,
         )
-        return cls(loaded, config)
+        return cls(loaded, config, connector)
 
     # -- requests ------------------------------------------------------------
+    def new_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """A validated request with its block keys, not yet added. Reads only immutable
+        state, so any thread may call it (the services plan transfers with its keys)."""
+        self.validate(prompt_token_ids, params.max_tokens)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if seed is None:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(
+            request_id=RequestId(request_id),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=seed,
+            arrival=time.perf_counter(),
+            cache_salt=cache_salt,
+        )
+        self.hasher.extend(req.block_keys, req.prompt_token_ids, cache_salt)
+        return req
+
+    def add(
+        self,
+        req: Request,
+        *,
+        kv_transfer: object | None = None,
+        awaiting_first_token: bool = False,
+        detokenize: bool = True,
+    ) -> RequestId:
+        """Queue ``req``. ``kv_transfer`` is what the connector needs to move its KV;
+        ``awaiting_first_token``: prefilled elsewhere, it computes nothing until
+        :meth:`supply_first_token` (its outputs then start with the second token)."""
+        req.kv_transfer = kv_transfer
+        req.awaiting_first_token = awaiting_first_token
+        self.scheduler.add(req)
+        if detokenize or req.params.stop:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, stop=req.params.stop
+            )
+        self.timings[req.request_id] = RequestTimings(arrival=req.arrival)
+        return req.request_id
+
     def add_request(
         self,
         prompt_token_ids: Sequence[int],
@@ -146,40 +221,13 @@ class Engine:
         cache_salt: str | None = None,
         detokenize: bool = True,
     ) -> RequestId:
-        self.validate(prompt_token_ids, params.max_tokens)
-        if request_id is None:
-            request_id = f"req-{self._next_id}"
-            self._next_id += 1
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = self._new_request(request_id, prompt_token_ids, params, seed, cache_salt)
-        self.scheduler.add(req)
-        return self._track(req, detokenize=detokenize)
-
-    def _new_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        seed: int,
-        cache_salt: str | None,
-    ) -> Request:
-        return Request(
-            request_id=RequestId(request_id),
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            seed=seed,
-            arrival=time.perf_counter(),
-            cache_salt=cache_salt,
+        req = self.new_request(
+            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt
         )
+        return self.add(req, detokenize=detokenize)
 
-    def _track(self, req: Request, *, detokenize: bool) -> RequestId:
-        """Detokenizer (also needed for stop strings) and timings of an admitted request."""
-        if detokenize or req.params.stop:
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, stop=req.params.stop
-            )
-        self.timings[req.request_id] = RequestTimings(arrival=req.arrival)
-        return req.request_id
+    def supply_first_token(self, request_id: str, token: SampledToken) -> None:
+        self.scheduler.supply_first_token(RequestId(request_id), token)
 
     def validate(self, prompt_token_ids: Sequence[int], max_tokens: int) -> None:
         """Raise InvalidRequestError (or RequestTooLongError) for a request this engine
@@ -196,54 +244,11 @@ class Engine:
                 f"{total} exceeds the context length {self.max_model_len}"
             )
         bs = self.layout.block_size
-        if -(-total // bs) > self.block_pool.num_blocks:
+        if -(-total // bs) > self.kv.num_slots:
             raise RequestTooLongError(
                 f"{total} tokens need more KV blocks than this instance has "
-                f"({self.block_pool.num_blocks} x {bs} tokens)"
+                f"({self.kv.num_slots} x {bs} tokens)"
             )
-
-    def add_prefilled(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        first: SampledToken,
-        block_ids: Sequence[BlockId],
-        *,
-        request_id: str,
-        seed: int,
-        cache_salt: str | None = None,
-    ) -> RequestId:
-        """Continue a request prefilled elsewhere: its prompt KV is already in ``block_ids``
-        (taken with :meth:`reserve_blocks`; the request owns them from now on) and
-        ``first`` is the token prefill sampled. Outputs start with the second token."""
-        self.validate([*prompt_token_ids, first.token_id], params.max_tokens - 1)
-        req = self._new_request(request_id, prompt_token_ids, params, seed, cache_salt)
-        req.output_token_ids = [first.token_id]
-        req.output_logprobs = [first.logprobs] if first.logprobs is not None else []
-        req.block_ids = list(block_ids)
-        try:
-            self.scheduler.add_prefilled(req)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
-        return self._track(req, detokenize=False)
-
-    # -- KV blocks outside the scheduler (transfers) ---------------------------------
-    def reserve_blocks(self, n: int) -> list[BlockId] | None:
-        """Take ``n`` blocks for KV arriving from elsewhere, or None when that would not
-        leave one block of growth per running request (admission by free KV memory)."""
-        headroom = len(self.scheduler.running) + len(self.scheduler.prefilled)
-        if n + headroom > self.block_pool.num_free:
-            return None
-        return self.block_pool.allocate(n)
-
-    def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
-        """Give back blocks from :meth:`reserve_blocks` (or drop :meth:`pin_blocks` refs)."""
-        self.block_pool.release(reversed(block_ids))
-
-    def pin_blocks(self, block_ids: Sequence[BlockId]) -> None:
-        """Keep blocks from being reused (e.g. while a transfer reads them), even if
-        their request finishes or is preempted meanwhile; undo with :meth:`free_blocks`."""
-        self.block_pool.acquire(block_ids)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its KV; False when the id is unknown or already done."""
@@ -255,11 +260,59 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # -- the loop ----------------------------------------------------------------
-    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
+        if self.connector is not None:
+            self.scheduler.on_connector_events(self.connector.poll())
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled, on_layer) if not scheduled.is_empty else {}
+        sampled, failed = self._execute(scheduled)
+        return self._outputs(self.scheduler.update(scheduled, sampled, failed))
+
+    def _execute(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[dict[RequestId, SampledToken], frozenset[RequestId]]:
+        """Run the model; with a connector, layer i waits for its loads and is saved."""
         self.last_step_tokens = scheduled.num_batched_tokens
-        return self._outputs(self.scheduler.update(scheduled, sampled))
+        if scheduled.is_empty:
+            return {}, frozenset()
+        self._steps += 1
+        now = time.perf_counter()
+        for s in scheduled.scheduled:
+            timing = self.timings.get(s.request.request_id)
+            if timing is not None and timing.scheduled is None:
+                timing.scheduled = now
+        connector = self.connector
+        if connector is None:
+            return self.runner.execute(scheduled), frozenset()
+
+        def on_layer(layer: int, step: SchedulerOutput) -> None:
+            connector.wait_for_layer(layer)
+            connector.save_layer(layer, step)
+
+        try:
+            sampled = self.runner.execute(scheduled, on_layer)
+        finally:
+            failed = connector.end_step()
+        return sampled, failed
+
+    def take_kv_events(self) -> KVEvents:
+        """Block keys this engine's pool started or stopped holding since the last call."""
+        return self.kv.take_events()
+
+    def snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler, self.kv
+        queued = [*s.waiting, *s.running]
+        return EngineSnapshot(
+            steps=self._steps,
+            waiting=len(s.waiting),
+            running=len(s.running),
+            loading=len(s.loading),
+            parked=len(s.parked),
+            pending_tokens=sum(r.num_tokens - r.num_computed_tokens for r in queued),
+            free_slots=kv.num_free,
+            num_slots=kv.num_slots,
+            cached_blocks=kv.num_cached,
+            requests=frozenset(s.requests),
+        )
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -276,6 +329,7 @@ class Engine:
                     text += detok.finish()
                     del self._detok[req.request_id]
             timing = self.timings[req.request_id]
+            timing.admitted = req.admitted
             if timing.first_token is None:
                 timing.first_token = now
             if req.is_finished:
@@ -293,7 +347,7 @@ class Engine:
                     finish_reason=req.finish_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=len(req.output_token_ids),
-                    num_cached_tokens=req.num_cached_tokens,
+                    cache_hit=req.cache_hit,
                     timings=timing if req.is_finished else None,
                 )
             )

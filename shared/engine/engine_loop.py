@@ -1,11 +1,16 @@
 """Runs an :class:`Engine` on its own thread, driven from an asyncio service.
 
-Ownership: the engine (scheduler, block pool, KV tensors) is touched only on
-the engine thread. The asyncio side reaches it through :meth:`EngineLoop.call`
-(run a function on the engine thread between two steps, await its result) and
-:meth:`EngineLoop.post` (the same, fire and forget); each request's outputs
-arrive on the asyncio queue :meth:`EngineLoop.subscribe` returned. The thread
-sleeps while nothing is runnable, so an idle service costs no CPU.
+Ownership: the engine (scheduler, KV cache manager, KV tensors, connector
+calls) is touched only on the engine thread. The asyncio side reaches it
+through :meth:`EngineLoop.call` (run a function on the engine thread between
+two steps, await its result) and :meth:`EngineLoop.post` (the same, fire and
+forget); each request's outputs arrive on the asyncio queue
+:meth:`EngineLoop.subscribe` returned. After every step and command the loop
+publishes the engine's :class:`EngineSnapshot` (read :attr:`snapshot` from any
+thread) and hands the block keys its pool started or stopped holding to
+``on_kv_events`` on the event loop. The thread sleeps while nothing is
+runnable, so an idle service costs no CPU; :meth:`wake` rouses it (a transfer
+that ended outside the engine).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine.model_runner import LayerHook
+from shared.engine.kv_cache_manager import KVEvents
+from shared.engine.snapshot import EngineSnapshot
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -42,18 +48,18 @@ class EngineLoop:
         self,
         engine: Engine,
         *,
-        on_layer: LayerHook | None = None,
         on_step: Callable[[float, int], None] | None = None,
+        on_kv_events: Callable[[KVEvents], None] | None = None,
         cpus: frozenset[int] | None = None,
     ):
         self.engine = engine
         self.cpus = cpus  # pin the engine thread (and the torch threads it starts) to these
-        self.on_layer = on_layer
         self.on_step = on_step  # (seconds, tokens computed), on the engine thread
+        self.on_kv_events = on_kv_events  # on the event loop
         self.stats = LoopStats()
+        self.snapshot: EngineSnapshot = engine.snapshot()
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | None]] = {}
-        self._watchers: list[Callable[[], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
@@ -113,6 +119,10 @@ class EngineLoop:
         self._commands.put(run)
         return await fut
 
+    def wake(self) -> None:
+        """Rouse an idle engine thread (thread-safe): something it polls has changed."""
+        self._commands.put(_nothing)
+
     def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput | None]:
         """Outputs of ``request_id`` in order; ``None`` means the engine died."""
         q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
@@ -121,15 +131,6 @@ class EngineLoop:
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-
-    def watch(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the engine thread after every step and command (e.g. to retry
-        admissions waiting for free blocks)."""
-        self._watchers.append(fn)
-
-    def to_event_loop(self, fn: Callable[..., object], *args: object) -> None:
-        """From the engine thread: run ``fn(*args)`` on the event loop (thread-safe)."""
-        self._require_loop().call_soon_threadsafe(fn, *args)
 
     def _require_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -152,16 +153,18 @@ class EngineLoop:
                 if cmd is None:
                     return
                 cmd()  # commands drain one per turn, ahead of the next step
-                self._notify()
+                self._publish()
                 stalled = False
         except BaseException as exc:
             self.failure = exc
             log.exception("engine loop died")
             self._require_loop().call_soon_threadsafe(self._fail_all)
 
-    def _notify(self) -> None:
-        for fn in self._watchers:
-            fn()
+    def _publish(self) -> None:
+        self.snapshot = self.engine.snapshot()
+        events = self.engine.take_kv_events()
+        if events and self.on_kv_events is not None:
+            self._require_loop().call_soon_threadsafe(self.on_kv_events, events)
 
     def _fail_all(self) -> None:
         for q in self._queues.values():
@@ -170,7 +173,7 @@ class EngineLoop:
     def _step_once(self) -> bool:
         """One engine step; False when nothing was runnable."""
         t0 = time.perf_counter()
-        outputs = self.engine.step(self.on_layer)
+        outputs = self.engine.step()
         dt = time.perf_counter() - t0
         if self.engine.last_step_tokens:
             self.stats.steps += 1
@@ -178,7 +181,7 @@ class EngineLoop:
             self.stats.last_step_s = dt
             if self.on_step is not None:
                 self.on_step(dt, self.engine.last_step_tokens)
-        self._notify()
+        self._publish()
         if outputs:
             self._require_loop().call_soon_threadsafe(self._deliver, outputs)
         return self.engine.last_step_tokens != 0
@@ -188,3 +191,7 @@ class EngineLoop:
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
+
+
+def _nothing() -> None:
+    """The command :meth:`EngineLoop.wake` posts."""

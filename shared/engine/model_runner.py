@@ -24,7 +24,8 @@ from shared.model.attention_impl import AttentionImpl
 from shared.model.llama import LlamaModel
 
 LayerHook = Callable[[int, SchedulerOutput], None]
-"""``hook(layer, step)``, on the engine thread, once ``layer`` of ``step`` is in the pool."""
+"""``hook(layer, step)``, on the engine thread, once ``layer``'s K/V of ``step``'s new
+tokens are in the pool and before that layer's attention reads the pool."""
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,13 @@ class ModelInput:
     sampled: tuple[ScheduledRequest, ...]  # in the order of logits_rows
 
 
-def prefill_runs(
-    row0: int, start: int, end: int, block_ids: Sequence[int], bs: int
-) -> list[SlotRun]:
+def prefill_runs(row0: int, start: int, end: int, slots: Sequence[int], bs: int) -> list[SlotRun]:
     """Split positions ``[start, end)`` (rows from ``row0``) into per-block slice copies."""
     runs = []
     pos = start
     while pos < end:
         length = min(bs - pos % bs, end - pos)
-        runs.append(SlotRun(row0 + pos - start, block_ids[pos // bs], pos % bs, length))
+        runs.append(SlotRun(row0 + pos - start, slots[pos // bs], pos % bs, length))
         pos += length
     return runs
 
@@ -60,7 +59,7 @@ def decode_groups(
     widths = [-(-c // block_size) for c in ctx]
     groups, start = [], 0
     for end in group_by_width(widths) if split else ([len(widths)] if widths else []):
-        tables = [s.request.block_ids for s in decodes[start:end]]
+        tables = [s.request.slots for s in decodes[start:end]]
         batch = DecodeBatch.build(tables, ctx[start:end], block_size, device)
         groups.append(DecodeGroup(start, end, batch))
         start = end
@@ -91,8 +90,8 @@ def build_input(
         ids.extend(req.token_at(pos) for pos in range(start, end))
         positions.extend(range(start, end))
         if s.num_new_tokens > 1:
-            runs.extend(prefill_runs(row0, start, end, req.block_ids, block_size))
-            table = torch.tensor(req.block_ids[: -(-end // block_size)], device=device)
+            runs.extend(prefill_runs(row0, start, end, req.slots, block_size))
+            table = torch.tensor(req.slots[: -(-end // block_size)], device=device)
             segments.append(PrefillSegment(row0, len(ids), table, end))
         if s.samples:
             logits_rows.append(len(ids) - 1)
@@ -101,7 +100,7 @@ def build_input(
     partial, whole = split_whole_blocks(runs, block_size, device)
     meta = AttentionMetadata(
         slot_blocks=torch.tensor(
-            [s.request.block_ids[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
+            [s.request.slots[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
             dtype=torch.long,
             device=device,
         ),

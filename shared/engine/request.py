@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_hash import BlockHash
-from shared.kv.block_pool import BlockId
+from shared.kv.block_hash import BlockKey
+
+if TYPE_CHECKING:
+    from shared.engine.kv_cache_manager import Slot
 
 RequestId = NewType("RequestId", str)
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # an asynchronous load fills its slots
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -41,6 +44,18 @@ class SampledToken:
     logprobs: TokenLogprobs | None = None
 
 
+@dataclass(frozen=True)
+class CacheHit:
+    """Prompt tokens a request did not compute here: from the local pool or loaded."""
+
+    local_tokens: int = 0
+    external_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.local_tokens + self.external_tokens
+
+
 @dataclass(eq=False)
 class Request:
     request_id: RequestId
@@ -49,14 +64,23 @@ class Request:
     seed: int  # params.seed, or one drawn at admission so a rerun reproduces this request
     arrival: float
     cache_salt: str | None = None
+    # what the KV connector needs to move this request's blocks (opaque to the engine)
+    kv_transfer: object | None = None
+    # prefilled elsewhere: its first token arrives later and nothing is computed before
+    awaiting_first_token: bool = False
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
-    num_cached_tokens: int = 0  # prefix tokens served from the prefix cache at admission
-    block_ids: list[BlockId] = field(default_factory=list)
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    num_indexed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    admitted: float | None = None  # when it first got slots (perf_counter)
+    cache_hit: CacheHit = CacheHit()  # at its first admission
+    load_external: bool = True  # False once a load failed: recompute instead
+    # keys of its full blocks, computed once (the KV cache manager extends them)
+    block_keys: list[BlockKey] = field(default_factory=list)
+    # written only by the KV cache manager: its pool slots, and how many leading
+    # blocks are registered in the prefix cache
+    slots: list[Slot] = field(default_factory=list)
+    num_cached_blocks: int = 0
     finish_reason: FinishReason | None = None
 
     @property
@@ -70,6 +94,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cache_hit.tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,33 +1,44 @@
-"""FCFS continuous-batching scheduler with chunked prefill, prefix caching and preemption.
+"""FCFS continuous-batching scheduler with chunked prefill, prefix reuse and preemption.
 
 Pure Python: it decides, per step, how many new tokens of which request are
-computed, and owns the requests' block tables through the :class:`BlockPool`.
-Running requests go first (decodes and unfinished prompt chunks), then waiting
-requests in arrival order while the token budget, the sequence limit and free
-blocks allow; with ``long_prefill_token_threshold`` no request's prompt chunk
-exceeds it, which leaves budget for the prompts queued behind a long one. When
-a running request needs a block and none is free, the latest-arrived running
-request is preempted: its blocks go back to the pool (still findable by hash,
-so resuming usually re-hits them) and it waits at the front of the queue.
+computed. Slots come from the :class:`KVCacheManager`; KV from outside comes
+through the :class:`KVConnector`. Running requests go first (decodes and
+unfinished prompt chunks), then waiting requests in arrival order while the
+token budget, the sequence limit and free slots allow; with
+``long_prefill_token_threshold`` no request's prompt chunk exceeds it, which
+leaves budget for the prompts queued behind a long one.
+
+Admission reuses the longest prefix held in the local pool, then asks the
+connector how many more tokens it can load. An in-step load runs inside the
+request's first step (layer by layer, overlapped with computing the rest); an
+asynchronous load parks the request (``WAITING_FOR_KV``) until the connector
+reports it, and the request then computes whatever is left. A load that fails
+sends the request back to recompute: a stale cache costs time, never tokens.
+
+When a running request needs a slot and none is free, the latest-arrived
+running request is preempted: its slots go back (still findable by key, so
+resuming usually re-hits them) and it waits at the front of the queue.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 from shared.config import SchedulerConfig
+from shared.engine.kv_cache_manager import KVCacheManager, Slot, cdiv
+from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
 from shared.engine.request import (
+    CacheHit,
     FinishReason,
     Request,
     RequestId,
     RequestStatus,
     SampledToken,
 )
-from shared.errors import RequestTooLongError
-from shared.kv.block_hash import BlockHasher
-from shared.kv.block_pool import BlockPool
+from shared.errors import InvalidRequestError, RequestTooLongError
 
 
 @dataclass(frozen=True)
@@ -55,50 +66,35 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        pool: BlockPool,
-        hasher: BlockHasher,
+        kv: KVCacheManager,
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        connector: KVConnector | None = None,
     ):
         self.config = config
-        self.pool = pool
-        self.hasher = hasher
-        self.block_size = hasher.block_size
+        self.kv = kv
+        self.connector = connector
+        self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
-        self.prefilled: deque[Request] = deque()  # KV already in their blocks; join to decode
         self.running: list[Request] = []
+        self.loading: dict[RequestId, Request] = {}  # asynchronous loads in flight
+        self.parked: dict[RequestId, Request] = {}  # waiting for their first token
+        self.releasing: dict[RequestId, Request] = {}  # finished; the connector holds slots
         self.requests: dict[RequestId, Request] = {}
+        self._load_target: dict[RequestId, int] = {}
 
     # -- admission -------------------------------------------------------
     def add(self, req: Request) -> None:
         self._check_fits(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-
-    def add_prefilled(self, req: Request) -> None:
-        """Join a request whose prompt KV is already in ``req.block_ids`` (pulled from the
-        KV store) and whose first token was sampled elsewhere; it decodes from the next step."""
-        self._check_fits(req)
-        if not req.output_token_ids:
-            raise ValueError("a prefilled request carries its first token")
-        if len(req.block_ids) < cdiv(req.num_prompt_tokens, self.block_size):
-            raise ValueError("a prefilled request must own blocks for its whole prompt")
-        if self._stop_reason(req, req.output_token_ids[-1]) is not None:
-            raise ValueError("the first token already ends this request")
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.requests[req.request_id] = req
-        self.prefilled.append(req)
 
     def _check_fits(self, req: Request) -> None:
         total = req.num_prompt_tokens + req.params.max_tokens
@@ -110,76 +106,143 @@ class Scheduler:
                 f"({req.params.max_tokens}) = {total} exceeds the context length "
                 f"{self.max_model_len}"
             )
-        if cdiv(total, self.block_size) > self.pool.num_blocks:
+        if cdiv(total, self.block_size) > self.kv.num_slots:
             raise RequestTooLongError(
                 f"{total} tokens need more KV blocks than this instance has "
-                f"({self.pool.num_blocks} x {self.block_size} tokens)"
+                f"({self.kv.num_slots} x {self.block_size} tokens)"
             )
         if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id} is already in use")
+            raise InvalidRequestError(f"request id {req.request_id} is already in use")
+
+    def supply_first_token(self, request_id: RequestId, token: SampledToken) -> None:
+        """The first token of a request prefilled elsewhere; it may compute from now on."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise InvalidRequestError(f"no request {request_id} here")
+        if not req.awaiting_first_token:
+            raise InvalidRequestError(f"request {request_id} already has its first token")
+        if self._stop_reason(req, token.token_id, num_outputs=1) is not None:
+            raise InvalidRequestError("the first token already ends this request")
+        req.output_token_ids.append(token.token_id)
+        if token.logprobs is not None:
+            req.output_logprobs.append(token.logprobs)
+        req.awaiting_first_token = False
+        if self.parked.pop(request_id, None) is not None:
+            self.waiting.appendleft(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilled)
+        """Whether any request (or a finished one's slots) is still here: a step may
+        compute or admit, or pick up what the connector finished."""
+        return bool(self.requests or self.releasing)
 
     # -- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestId] = []
-        while self.prefilled and len(self.running) < self.config.max_num_seqs:
-            joining = self.prefilled.popleft()
-            joining.status = RequestStatus.RUNNING
-            self.running.append(joining)
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            need = cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
-            while need > self.pool.num_free and self.running[-1] is not req:
+            end = req.num_computed_tokens + num_new
+            while not self.kv.grow(req, end) and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running.pop()))
-            if need > self.pool.num_free:
+            if not self.kv.grow(req, end):
                 preempted.append(self._preempt(self.running.pop()))
                 break
-            req.block_ids.extend(self.pool.allocate(need))
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
             idx += 1
         if not preempted:
-            budget = self._admit(budget, scheduled)
+            self._admit(budget, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        bs = self.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            tokens = req.all_token_ids
-            if not req.block_hashes:
-                req.block_hashes = self.hasher.hash_blocks(tokens, cache_salt=req.cache_salt)
-            # always leave >= 1 token to compute: its logits give the next token
-            usable = req.block_hashes[: (len(tokens) - 1) // bs]
-            hits = self.pool.lookup(usable)
-            computed = len(hits) * bs
-            num_new = self._chunk(len(tokens) - computed, budget=None)
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill and scheduled:
-                    break
-                num_new = budget
-            need = cdiv(computed + num_new, bs) - len(hits)
-            free_after_hits = self.pool.num_free - sum(self.pool.ref_count(b) == 0 for b in hits)
-            if need > free_after_hits:
-                break
+            # holding slots: its KV was loaded asynchronously, compute the rest
+            taken = self._continue(req, budget) if req.slots else self._start(req, budget)
+            if taken is None:
+                return
+            if taken:
+                scheduled.append(ScheduledRequest(req, taken))
+                budget -= taken
+
+    def _start(self, req: Request, budget: int) -> int | None:
+        """Admit a request holding no slots; returns the tokens it computes this step (0:
+        none, it left the queue to load or wait), or None when it must wait in the queue."""
+        bs = self.block_size
+        # always leave >= 1 token to compute: its logits give the next token
+        hits = self.kv.local_hit(req, (req.num_tokens - 1) // bs)
+        local = len(hits) * bs
+        ext = self._external(req, local)
+        computed = local + ext.num_tokens
+        if ext.asynchronous and ext.num_tokens:
+            if not self.kv.can_admit(hits, computed, headroom=len(self.running)):
+                return None
+            self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
+            req.status = RequestStatus.WAITING_FOR_KV
+            self.loading[req.request_id] = req
+            self._load_target[req.request_id] = computed
+            self._start_load(req, len(hits), req.slots[len(hits) :])
+            return 0
+        if req.awaiting_first_token:  # nothing can be computed before it arrives
             self.waiting.popleft()
-            self.pool.acquire(hits)
-            req.block_ids = hits + self.pool.allocate(need)
-            req.num_computed_tokens = computed
-            req.num_indexed_blocks = len(hits)
-            if req.status is RequestStatus.WAITING:
-                req.num_cached_tokens = computed
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
-        return budget
+            self.parked[req.request_id] = req
+            return 0
+        if budget <= 0:
+            return None
+        num_new = self._chunk(req.num_tokens - computed, budget=None)
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill and self.running:
+                return None
+            num_new = budget
+        if not self.kv.can_admit(hits, computed + num_new):
+            return None
+        self._take(req, hits, computed + num_new, CacheHit(local, ext.num_tokens))
+        req.num_computed_tokens = computed
+        if ext.num_tokens:
+            self._start_load(req, len(hits), req.slots[len(hits) : computed // bs])
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return num_new
+
+    def _external(self, req: Request, local: int) -> ExternalHit:
+        """The connector's offer, clamped: an in-step load stops at the last full block
+        before the final token, an asynchronous one where the request must compute."""
+        if self.connector is None or not req.load_external:
+            return NO_HIT
+        hit = self.connector.external_hit(req, local)
+        if hit.asynchronous:
+            room = req.num_tokens - local - (0 if req.awaiting_first_token else 1)
+        else:
+            room = (req.num_tokens - 1) // self.block_size * self.block_size - local
+        n = max(0, min(hit.num_tokens, room))
+        return ExternalHit(n, hit.asynchronous) if n else NO_HIT
+
+    def _take(self, req: Request, hits: list[Slot], num_tokens: int, hit: CacheHit) -> None:
+        self.waiting.popleft()
+        self.kv.admit(req, hits, num_tokens)
+        if req.admitted is None:
+            req.admitted = time.perf_counter()
+        if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
+            req.cache_hit = hit
+
+    def _start_load(self, req: Request, first_block: int, slots: list[Slot]) -> None:
+        if self.connector is None:
+            raise RuntimeError("a load was planned without a connector")
+        self.connector.start_load(req, first_block, slots)
+
+    def _continue(self, req: Request, budget: int) -> int | None:
+        if budget <= 0:
+            return None
+        num_new = min(self._chunk(req.num_tokens - req.num_computed_tokens, None), budget)
+        if not self.kv.grow(req, req.num_computed_tokens + num_new):
+            return None
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return num_new
 
     def _chunk(self, remaining: int, budget: int | None) -> int:
         """Tokens of a request to compute this step: at most ``budget``, and a prompt
@@ -191,7 +254,7 @@ class Scheduler:
         return remaining if budget is None else min(remaining, budget)
 
     def _preempt(self, req: Request) -> RequestId:
-        self._free_blocks(req)
+        self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -199,17 +262,25 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------
     def update(
-        self, out: SchedulerOutput, sampled: Mapping[RequestId, SampledToken]
+        self,
+        out: SchedulerOutput,
+        sampled: Mapping[RequestId, SampledToken],
+        failed_loads: Set[RequestId] = frozenset(),
     ) -> list[Request]:
-        """Apply one executed step; returns the requests that got a new token."""
+        """Apply one executed step; returns the requests that got a new token. Requests
+        in ``failed_loads`` computed over garbage: they start over without loading."""
         changed: list[Request] = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
+            if req.request_id in failed_loads:
+                self.running.remove(req)
+                self._recompute(req)
+                continue
             samples = s.samples
             req.num_computed_tokens += s.num_new_tokens
-            self._cache_full_blocks(req)
+            self.kv.cache_blocks(req)
             if not samples:
                 continue
             tok = sampled[req.request_id]
@@ -222,35 +293,58 @@ class Scheduler:
             changed.append(req)
         return changed
 
-    def _cache_full_blocks(self, req: Request) -> None:
-        full = req.num_computed_tokens // self.block_size
-        if len(req.block_hashes) < full:
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.extend(
-                self.hasher.hash_blocks(
-                    req.all_token_ids[: full * self.block_size],
-                    cache_salt=req.cache_salt,
-                    parent=parent,
-                    start_block=len(req.block_hashes),
-                )
-            )
-        for i in range(req.num_indexed_blocks, full):
-            self.pool.cache_full_block(req.block_ids[i], req.block_hashes[i])
-        req.num_indexed_blocks = max(req.num_indexed_blocks, full)
+    def on_connector_events(self, events: ConnectorEvents) -> None:
+        """Asynchronous loads that ended and finished requests the connector let go."""
+        for rid in events.loaded:
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            req.num_computed_tokens = self._load_target.pop(rid)
+            self.kv.cache_blocks(req)
+            self._requeue(req)
+        for rid in events.failed:
+            req = self.loading.pop(rid, None)
+            if req is not None:
+                self._load_target.pop(rid, None)
+                self._recompute(req)
+        for rid in events.released:
+            req = self.releasing.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+    def _recompute(self, req: Request) -> None:
+        """A load failed: free what it filled and queue the request to compute instead."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.load_external = False
+        req.cache_hit = CacheHit()
+        req.status = RequestStatus.WAITING
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        if req.awaiting_first_token:
+            self.parked[req.request_id] = req
+        else:
+            self.waiting.appendleft(req)
+
+    def _stop_reason(
+        self, req: Request, token: int, num_outputs: int | None = None
+    ) -> FinishReason | None:
         p = req.params
+        outputs = len(req.output_token_ids) if num_outputs is None else num_outputs
         if not p.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if token in p.stop_token_ids:
             return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if outputs >= p.max_tokens or req.num_prompt_tokens + outputs >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     # -- ending --------------------------------------------------------------
     def finish(self, request_id: RequestId, reason: FinishReason) -> Request | None:
-        """Finish (or abort) a request and free its blocks; unknown ids return None."""
+        """Finish (or abort) a request and free its slots (once the connector lets go of
+        them); unknown ids return None."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -258,14 +352,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        elif req in self.prefilled:
-            self.prefilled.remove(req)
-        self._free_blocks(req)
+        self.loading.pop(request_id, None)
+        self.parked.pop(request_id, None)
+        self._load_target.pop(request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if self.connector is not None and self.connector.request_finished(req):
+            self.releasing[request_id] = req
+        else:
+            self.kv.free(req)
         return req
-
-    def _free_blocks(self, req: Request) -> None:
-        self.pool.release(reversed(req.block_ids))
-        req.block_ids = []
-        req.num_indexed_blocks = 0

@@ -1,10 +1,14 @@
-"""Content-addressed block ids.
+"""Block keys: the content address of a full KV block.
 
-A full block's id is ``hash_fn(parent id || token ids || extra keys)``. The
-extra keys (model identity, dtype, KV layout version, optional per-tenant
-``cache_salt``) are folded into the root of every chain, so two tenants or two
-layouts never share an id. Only full blocks get an id: a request's partial
-tail block is request-scoped.
+A full block's key is ``hash_fn(parent key || token ids)``, chained from a
+root that folds in the extra keys (model identity, dtype, KV layout version,
+optional per-tenant ``cache_salt``), so two tenants or two layouts never share
+a key. Only full blocks get a key: a request's partial tail block is
+request-scoped. :meth:`BlockHasher.extend` is the one function that computes
+keys; the engine runs it once per request (incrementally, as tokens appear)
+and the gateway runs the same function for routing.
+
+A *block key* is never a *slot* (a position in an instance's KV pool).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import NewType
 
 import xxhash
 
-BlockHash = NewType("BlockHash", bytes)
+BlockKey = NewType("BlockKey", bytes)
 HashFn = Callable[[bytes], bytes]
 
 
@@ -31,40 +35,39 @@ def xxh3_128(data: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class BlockHasher:
-    """Computes chained block ids for one model/layout; ``hash_fn`` must be stable across hosts."""
+    """Computes chained block keys for one model/layout; ``hash_fn`` must be stable
+    across hosts (never Python's ``hash``)."""
 
     namespace: str  # model identity + KV layout description
     block_size: int
     hash_fn: HashFn = sha256_128
 
-    def root(self, cache_salt: str | None = None) -> BlockHash:
+    def root(self, cache_salt: str | None = None) -> BlockKey:
         salt = "-" if cache_salt is None else f"{len(cache_salt)}:{cache_salt}"
         extra = f"baton-kv\x00{self.namespace}\x00salt={salt}".encode()
-        return BlockHash(self.hash_fn(extra))
+        return BlockKey(self.hash_fn(extra))
 
-    def chain(self, parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    def chain(self, parent: BlockKey, tokens: Sequence[int]) -> BlockKey:
         if len(tokens) != self.block_size:
             raise ValueError(
-                f"a block id covers exactly {self.block_size} tokens, got {len(tokens)}"
+                f"a block key covers exactly {self.block_size} tokens, got {len(tokens)}"
             )
-        return BlockHash(self.hash_fn(parent + struct.pack(f"<{len(tokens)}I", *tokens)))
+        return BlockKey(self.hash_fn(parent + struct.pack(f"<{len(tokens)}I", *tokens)))
 
-    def hash_blocks(
-        self,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        parent: BlockHash | None = None,
-        start_block: int = 0,
-    ) -> list[BlockHash]:
-        """Ids of the full blocks of ``token_ids`` from block ``start_block`` on.
-
-        ``parent`` is the id of block ``start_block - 1`` (or the root when 0).
-        """
-        prev = self.root(cache_salt) if parent is None else parent
-        out: list[BlockHash] = []
+    def extend(
+        self, keys: list[BlockKey], token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[BlockKey]:
+        """Append to ``keys`` (the keys of ``token_ids``' first ``len(keys)`` blocks) the
+        keys of every further full block of ``token_ids``; returns the appended ones."""
         bs = self.block_size
-        for i in range(start_block, len(token_ids) // bs):
+        prev = keys[-1] if keys else self.root(cache_salt)
+        added: list[BlockKey] = []
+        for i in range(len(keys), len(token_ids) // bs):
             prev = self.chain(prev, token_ids[i * bs : (i + 1) * bs])
-            out.append(prev)
-        return out
+            added.append(prev)
+        keys.extend(added)
+        return added
+
+    def keys(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids``."""
+        return self.extend([], token_ids, cache_salt)

@@ -111,6 +111,8 @@ class FirstTokenEvent(_Wire):
     finish_reason: Literal["stop"] | None = None  # EOS / stop token: no decode needed
     queue_s: float  # arrival -> start of compute
     compute_s: float  # start of compute -> first token
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (local pool + store)
+    cached_from_store: int = 0  # of those, loaded from the KV store
 
 
 class Committed(_Wire):

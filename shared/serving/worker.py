@@ -1,5 +1,7 @@
-"""What a prefill and a decode instance share: the engine on its thread, Redis
-membership with load, the KV store client, settings, and the HTTP basics.
+"""What a prefill and a decode instance share: the engine on its thread (with the
+KV-store connector as its KV seam, for the roles that move KV), Redis membership
+with load, the publisher of the local pool's holdings to the prompt index, the KV
+store client, settings, and the HTTP basics.
 
 Long-lived parts are created once in :meth:`Worker.start` (called from the
 FastAPI lifespan) and torn down in reverse order by :meth:`Worker.stop`.
@@ -22,14 +24,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
+from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine, RequestOutput, RequestTimings
 from shared.engine.engine_loop import EngineLoop
-from shared.engine.model_runner import LayerHook
+from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.request import TokenLogprobs
 from shared.kvstore.client import KVStoreClient
+from shared.kvstore.connector import KVStoreConnector
+from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.logs import request_id_var
 from shared.service import service_app
 from shared.serving.background import Background
@@ -106,6 +111,11 @@ class Worker:
             replication=self.cluster.replication,
             client_id=self.instance_id,
         )
+        self.publisher = IndexPublisher(
+            BlockIndex(self.redis, self.keys, self.cluster.index_ttl_s), self.instance_id
+        )
+        self.connector_metrics = ConnectorMetrics(self.metrics.registry)
+        self._connector: KVStoreConnector | None = None
         self._loop: EngineLoop | None = None
         self.heartbeat: Heartbeat | None = None
         self.in_flight: dict[str, Any] = {}
@@ -121,7 +131,18 @@ class Worker:
     def engine(self) -> Engine:
         return self.loop.engine
 
-    def layer_hook(self) -> LayerHook | None:
+    @property
+    def connector(self) -> KVStoreConnector:
+        if self._connector is None:
+            raise RuntimeError(f"a {self.role} instance moves no KV through the store")
+        return self._connector
+
+    @property
+    def caching(self) -> bool:
+        return self.baton.enable_prefix_caching
+
+    def make_connector(self) -> KVStoreConnector | None:
+        """The KV seam this role uses (None: the engine keeps its KV to itself)."""
         return None
 
     def engine_config(self) -> EngineConfig:
@@ -134,19 +155,24 @@ class Worker:
 
     async def start(self) -> None:
         port = self.settings.port
+        self._connector = self.make_connector()
         engine = await asyncio.to_thread(
             Engine.from_config,
             self.engine_config(),
             cache_dir=self.baton.cache_dir,
             progress=False,
+            connector=self._connector,
         )
         self._loop = EngineLoop(
             engine,
-            on_layer=self.layer_hook(),
-            on_step=self.metrics.observe_step,
+            on_step=self._on_step,
+            on_kv_events=self._on_kv_events,
             cpus=self.baton.engine_cpu_set(),
         )
         self._loop.start()
+        if self._connector is not None:
+            self._connector.start(asyncio.get_running_loop(), self._loop.wake)
+        await self.publisher.start()
         member = Member(
             instance_id=self.instance_id,
             role=self.role,
@@ -154,53 +180,81 @@ class Worker:
             http_port=port,
             model=engine.loaded.name,
             kv_namespace=engine.hasher.namespace,
+            block_size=engine.layout.block_size,
             capacity_bytes=engine.kv_cache.num_blocks * engine.layout.block_bytes,
             started_at=time.time(),
         )
-        self.heartbeat = Heartbeat.for_cluster(self.redis, self.cluster, member, load=self._load)
+
+        async def resync() -> None:
+            self.publisher.resync()
+
+        self.heartbeat = Heartbeat.for_cluster(
+            self.redis, self.cluster, member, load=self._load, on_reconnect=resync
+        )
         await self.heartbeat.beat()
         self.heartbeat.start()
         log.info(
-            "%s %s ready: %s, %d KV blocks, http %s:%d",
+            "%s %s ready: %s, %d KV blocks, prefix caching %s, http %s:%d",
             self.role,
             self.instance_id,
             engine.loaded.name,
             engine.kv_cache.num_blocks,
+            "on" if self.caching else "off",
             self.settings.advertise_host,
             port,
         )
 
+    def _on_step(self, seconds: float, tokens: int) -> None:
+        """Engine thread: step metrics, and the compute rate the pull cost model uses."""
+        self.metrics.observe_step(seconds, tokens)
+        if self._connector is not None:
+            self._connector.pull.observe_compute(tokens, seconds)
+
+    def _on_kv_events(self, events: KVEvents) -> None:
+        """The local pool's holdings, published to the prompt index (cache-aware routing)."""
+        if events.removed:
+            self.publisher.removed(k.hex() for k in events.removed)
+        if events.stored:
+            self.publisher.added(k.hex() for k in events.stored)
+
     def _load(self) -> dict[str, float]:
-        engine = self.engine
-        self.metrics.kv_usage.set(engine.block_pool.usage())
+        snap = self.loop.snapshot
+        self.metrics.kv_usage.set(snap.usage)
         self.metrics.requests.set(len(self.in_flight))
         return {
             "in_flight": float(len(self.in_flight)),
-            "kv_usage": engine.block_pool.usage(),
-            "free_blocks": float(engine.block_pool.num_free),
+            "kv_usage": snap.usage,
+            "free_blocks": float(snap.free_slots),
             **self.load(),
         }
 
     async def stop(self) -> None:
         if self.heartbeat is not None:
             await self.heartbeat.stop(deregister=True)
+        await self.publisher.stop(withdraw=True)
         await self.background.drain()
         if self._loop is not None:
             await self._loop.stop()
+        if self._connector is not None:
+            await self._connector.close()
         await self.kv.close()
         await self.kv.transport.shutdown()
         await self.redis.aclose()
 
     def stats(self) -> dict[str, float]:
         s = self.loop.stats
+        snap = self.loop.snapshot
         return {
             **self._load(),
             "steps": float(s.steps),
             "busy_s": s.busy_s,
-            "kv_blocks_total": float(self.engine.kv_cache.num_blocks),
-            "waiting": float(len(self.engine.scheduler.waiting)),
+            "kv_blocks_total": float(snap.num_slots),
+            "cached_blocks": float(snap.cached_blocks),
+            "waiting": float(snap.waiting),
+            "loading": float(snap.loading),
             "cleanups": float(len(self.background)),
-            "running": float(len(self.engine.scheduler.running)),
+            "running": float(snap.running),
+            "requests": float(len(snap.requests)),
         }
 
 
@@ -210,6 +264,7 @@ class TokenStream:
 
     generated: int = 0
     finish_reason: str | None = None
+    timings: RequestTimings | None = None  # the engine's, once finished
 
     async def events(
         self, outputs: asyncio.Queue[RequestOutput | None]
@@ -230,6 +285,7 @@ class TokenStream:
                 )
             if out.finished:
                 self.finish_reason = out.finish_reason.value if out.finish_reason else "abort"
+                self.timings = out.timings
 
 
 def bind_request_id(request: Request) -> str | None:

@@ -56,7 +56,7 @@ def test_burst_over_kv_capacity_queues_and_stays_exact(
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == engine.generate([prompt], params)[0].token_ids
     assert stats["kv_blocks_total"] == 24 and stats["kv_usage"] == 0
-    assert "baton_decode_admission_seconds_count 6.0" in metrics
+    assert "baton_decode_join_wait_seconds_count 6.0" in metrics
     # some requests waited for memory: fewer than all six were admitted within 0.5 s
     quick = re.search(r'baton_decode_admission_seconds_bucket\{le="0.5"\} (\S+)', metrics)
     assert quick is not None and float(quick.group(1)) < 6

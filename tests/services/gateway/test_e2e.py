@@ -195,10 +195,13 @@ def test_sse_conformance(cluster: Cluster, kind: str) -> None:
     assert final["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == []
     prompt_len = len(content[0]["prompt_token_ids"])
+    cached = usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 <= cached < prompt_len and cached % 16 == 0
     assert usage["usage"] == {
         "prompt_tokens": prompt_len,
         "completion_tokens": 7,
         "total_tokens": prompt_len + 7,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

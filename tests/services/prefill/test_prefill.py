@@ -73,12 +73,12 @@ async def test_layers_reach_the_store_before_the_first_token(
 
     # the store now holds exactly the KV the in-process engine computes
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-    hashes = engine.hasher.hash_blocks(prompt)
-    assert [h.hex() for h in hashes] == accepted.kv_ids[: len(hashes)]
-    local = engine.block_pool.lookup(hashes)
-    assert len(local) == len(hashes)
-    for block_id, got in zip(local, into, strict=False):
-        expected = engine.kv_cache.block(block_id).contiguous().view(torch.uint8).numpy()
+    keys = engine.hasher.keys(prompt)
+    assert [k.hex() for k in keys] == accepted.kv_ids[: len(keys)]
+    local = engine.kv.local_hit(engine.new_request([*prompt, 1], SamplingParams()), len(keys))
+    assert len(local) == len(keys)
+    for slot, got in zip(local, into, strict=False):
+        expected = engine.kv_cache.block(slot).contiguous().view(torch.uint8).numpy()
         assert np.array_equal(expected.reshape(-1), got)
 
 

@@ -201,10 +201,10 @@ def test_preemption_under_kv_pressure_keeps_outputs(
     reference = make_engine().generate(prompts, GREEDY)
     # 20 blocks of 16 tokens cannot hold all 8 sequences at once
     tight = make_engine(kv_cache_bytes=20 * 46_080 * 16)
-    assert tight.block_pool.num_blocks == 20
+    assert tight.kv.num_slots == 20
     out = tight.generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [r.token_ids for r in reference]
-    assert tight.block_pool.num_free == tight.block_pool.num_blocks
+    assert tight.kv.num_free == tight.kv.num_slots
 
 
 def test_abort_frees_kv(make_engine: EngineFactory, loaded_fp32: LoadedModel) -> None:
@@ -213,12 +213,12 @@ def test_abort_frees_kv(make_engine: EngineFactory, loaded_fp32: LoadedModel) ->
     rids = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
     engine.step()
-    assert engine.block_pool.num_free < engine.block_pool.num_blocks
+    assert engine.kv.num_free < engine.kv.num_slots
     for rid in rids:
         assert engine.abort(rid)
     assert not engine.abort(rids[0])
     assert not engine.has_unfinished()
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert engine.kv.num_free == engine.kv.num_slots
     assert not engine.timings
 
 

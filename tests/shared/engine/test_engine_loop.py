@@ -52,7 +52,7 @@ async def test_call_propagates_errors_and_the_loop_survives(make_engine: EngineF
     try:
         with pytest.raises(ValueError, match="boom"):
             await loop.call(lambda e: (_ for _ in ()).throw(ValueError("boom")))
-        assert await loop.call(lambda e: e.block_pool.num_free) > 0
+        assert await loop.call(lambda e: e.kv.num_free) > 0
         assert loop.alive
     finally:
         await loop.stop()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.kv_cache_manager import Slot
 from shared.engine.model_runner import build_input, prefill_runs
 from shared.engine.request import Request, RequestId
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
-from shared.kv.block_pool import BlockId
 from shared.model.attention import SlotRun, split_whole_blocks
 
 
@@ -22,7 +22,7 @@ def make_req(rid: str, prompt: int, computed: int, blocks: list[int], outputs: i
     )
     r.output_token_ids = list(range(900, 900 + outputs))
     r.num_computed_tokens = computed
-    r.block_ids = [BlockId(b) for b in blocks]
+    r.slots = [Slot(b) for b in blocks]
     return r
 
 

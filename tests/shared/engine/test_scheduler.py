@@ -1,4 +1,5 @@
-"""Scheduler logic with a real BlockPool and BlockHasher, no model."""
+"""Scheduler logic with a real KV cache manager and block keys, no model; KV movement
+through a fake connector (a stand-in for the KV store that the test drives)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import itertools
 import pytest
 
 from shared.config import SchedulerConfig
+from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import FinishReason, Request, RequestId, RequestStatus, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerOutput
-from shared.errors import RequestTooLongError
+from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockHasher
-from shared.kv.block_pool import BlockPool
+from tests.shared.engine.fake_connector import FakeConnector
 
 EOS = 2
 _ids = itertools.count()
@@ -25,6 +27,7 @@ def make(
     block_size: int = 4,
     chunked: bool = True,
     chunk_cap: int = 0,
+    connector: FakeConnector | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -33,10 +36,10 @@ def make(
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=chunk_cap,
         ),
-        BlockPool(num_blocks),
-        BlockHasher(namespace="test", block_size=block_size),
+        KVCacheManager(num_blocks, BlockHasher(namespace="test", block_size=block_size)),
         max_model_len=256,
         eos_token_ids=(EOS,),
+        connector=connector,
     )
 
 
@@ -51,16 +54,22 @@ def req(n_prompt: int, max_tokens: int = 4, first: int = 10) -> Request:
 
 
 def run_step(s: Scheduler, token: int = 100) -> SchedulerOutput:
-    """Schedule and pretend the model sampled ``token`` for every sampling request."""
+    """Schedule and pretend the model sampled ``token`` for every sampling request (the
+    engine's step, with the connector's poll before and its failures after)."""
+    connector = s.connector if isinstance(s.connector, FakeConnector) else None
+    if connector is not None:
+        s.on_connector_events(connector.poll())
     out = s.schedule()
-    s.update(out, {x.request.request_id: SampledToken(token) for x in out.scheduled if x.samples})
+    failed = connector.end_step() if connector is not None else frozenset()
+    sampled = {x.request.request_id: SampledToken(token) for x in out.scheduled if x.samples}
+    s.update(out, sampled, failed)
     return out
 
 
 def assert_idle(s: Scheduler) -> None:
-    """Nothing queued or running, and every block back in the pool."""
-    assert not s.has_unfinished()
-    assert s.pool.num_free == s.pool.num_blocks
+    """Nothing queued, loading or running, and every slot back in the pool."""
+    assert not s.has_unfinished() and not s.requests and not s.releasing
+    assert s.kv.num_free == s.kv.num_slots
 
 
 def test_prefill_then_decode_then_length_finish() -> None:
@@ -70,7 +79,7 @@ def test_prefill_then_decode_then_length_finish() -> None:
     out = run_step(s)
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(r, 10)]
     assert r.num_computed_tokens == 10 and r.output_token_ids == [100]
-    assert len(r.block_ids) == 3
+    assert len(r.slots) == 3
     out = run_step(s)
     assert out.scheduled[0].num_new_tokens == 1
     run_step(s)
@@ -180,7 +189,7 @@ def test_preemption_frees_the_latest_request_and_resumes_it() -> None:
     assert b.request_id in preempted
     assert a.is_finished and b.is_finished
     assert len(a.output_token_ids) == 12 and len(b.output_token_ids) == 12
-    assert s.pool.num_free == 5
+    assert s.kv.num_free == 5
 
 
 def test_abort_anywhere_frees_blocks() -> None:
@@ -213,60 +222,6 @@ def test_requests_that_can_never_fit_are_rejected() -> None:
         s.add(req(20, max_tokens=4))  # more blocks than the pool has
 
 
-def prefilled(s: Scheduler, n_prompt: int, max_tokens: int = 4, first: int = 50) -> Request:
-    """A request whose prompt KV arrived from elsewhere, in blocks it already owns."""
-    r = req(n_prompt, max_tokens)
-    r.output_token_ids = [first]
-    r.block_ids = s.pool.allocate(-(-(n_prompt + 1) // s.block_size))
-    s.add_prefilled(r)
-    return r
-
-
-def test_prefilled_request_decodes_from_its_first_token() -> None:
-    s = make()
-    r = prefilled(s, 10, max_tokens=3)
-    out = s.schedule()
-    (only,) = out.scheduled
-    assert only.request is r and only.num_new_tokens == 1 and only.samples
-    assert r.num_computed_tokens == 10  # the prompt was never recomputed here
-    s.update(out, {r.request_id: SampledToken(60)})
-    run_step(s, 61)
-    assert r.output_token_ids == [50, 60, 61]
-    assert r.finish_reason is FinishReason.LENGTH
-    assert_idle(s)
-
-
-def test_prefilled_requests_respect_max_num_seqs() -> None:
-    s = make(max_seqs=2)
-    rs = [prefilled(s, 5) for _ in range(3)]
-    out = s.schedule()
-    assert [x.request for x in out.scheduled] == rs[:2]
-    assert rs[2] in s.prefilled
-
-
-def test_prefilled_request_refuses_missing_blocks_or_a_finished_first_token() -> None:
-    s = make()
-    short = req(10)
-    short.output_token_ids = [50]
-    short.block_ids = s.pool.allocate(1)  # 10 tokens need 3 blocks of 4
-    with pytest.raises(ValueError, match="blocks"):
-        s.add_prefilled(short)
-    eos = req(3)
-    eos.output_token_ids = [EOS]
-    eos.block_ids = s.pool.allocate(1)
-    with pytest.raises(ValueError, match="ends"):
-        s.add_prefilled(eos)
-
-
-def test_aborting_a_prefilled_request_before_it_joins_frees_its_blocks() -> None:
-    s = make(max_seqs=1)
-    prefilled(s, 5)
-    waiting = prefilled(s, 5)
-    s.schedule()
-    s.finish(waiting.request_id, FinishReason.ABORT)
-    assert waiting not in s.prefilled and not waiting.block_ids
-
-
 def test_long_prompt_chunks_leave_room_for_prompts_queued_behind_it() -> None:
     s = make(budget=64, chunk_cap=16)
     long, short = req(40, max_tokens=2), req(5, max_tokens=2)
@@ -291,3 +246,176 @@ def test_chunk_cap_needs_chunked_prefill() -> None:
     long = req(40)
     s.add(long)
     assert [x.num_new_tokens for x in run_step(s).scheduled] == [40]
+
+
+# -- KV from outside, through the connector ---------------------------------------------
+
+
+def test_in_step_load_covers_whole_blocks_after_the_local_prefix() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    a = req(8, max_tokens=1)
+    s.add(a)
+    run_step(s)  # a's two blocks are now cached locally
+    b = req(22, max_tokens=2)  # shares a's 2 blocks; 3 more can be loaded
+    fake.offer(b, 20)
+    s.add(b)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(b, 2)]
+    (load,) = fake.started
+    assert load.first_block == 2 and load.slots == b.slots[2:5]
+    assert b.cache_hit.local_tokens == 8 and b.cache_hit.external_tokens == 12
+    assert b.num_cached_tokens == 20 and b.output_token_ids == [100]
+    assert b.num_cached_blocks == 5  # loaded blocks are findable here from now on
+
+
+def test_in_step_load_never_covers_the_last_token() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(12, max_tokens=1)
+    fake.offer(r, 12)  # all three blocks are outside; the last must be computed
+    s.add(r)
+    out = run_step(s)
+    assert out.scheduled[0].num_new_tokens == 4
+    assert len(fake.started[0].slots) == 2
+
+
+def test_failed_in_step_load_recomputes_with_identical_bookkeeping() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(21, max_tokens=2)
+    fake.offer(r, 16)
+    fake.fail_in_step.add(r.request_id)
+    s.add(r)
+    out = run_step(s)
+    assert out.scheduled[0].num_new_tokens == 5
+    # the step's sample is discarded and the request starts over without loading
+    assert r.output_token_ids == [] and r.status is RequestStatus.WAITING
+    assert not r.load_external and r.num_cached_tokens == 0 and not r.slots
+    out = run_step(s)
+    assert out.scheduled[0].num_new_tokens == 21 and len(fake.started) == 1
+    while s.has_unfinished():
+        run_step(s)
+    assert r.output_token_ids == [100, 100]
+    assert_idle(s)
+
+
+def test_asynchronous_load_waits_then_computes_only_the_rest() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(10, max_tokens=2)
+    fake.offer(r, 8, asynchronous=True)
+    s.add(r)
+    out = run_step(s)
+    assert out.is_empty and r.status is RequestStatus.WAITING_FOR_KV
+    assert len(r.slots) == 2 and not s.waiting and not s.running
+    fake.end_load(r.request_id)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(r, 2)]
+    while s.has_unfinished():
+        run_step(s)
+    assert r.output_token_ids == [100, 100]
+    assert_idle(s)
+
+
+def test_asynchronous_loads_leave_growth_room_for_running_requests() -> None:
+    fake = FakeConnector()
+    s = make(num_blocks=6, connector=fake)
+    running = req(4, max_tokens=8)
+    s.add(running)
+    run_step(s)
+    big = req(16, max_tokens=2, first=40)
+    fake.offer(big, 16, asynchronous=True)
+    s.add(big)
+    run_step(s)  # 4 blocks would leave 1 free: the running request needs room to grow
+    assert big.status is RequestStatus.WAITING and not fake.started
+
+
+def test_prefilled_elsewhere_loads_and_decodes_from_the_supplied_first_token() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(10, max_tokens=3)
+    fake.offer(r, 10, asynchronous=True)  # the whole prompt, partial tail included
+    r.awaiting_first_token = True
+    s.add(r)
+    run_step(s)
+    assert r.status is RequestStatus.WAITING_FOR_KV and len(r.slots) == 3
+    fake.end_load(r.request_id)
+    run_step(s)
+    assert r.request_id in s.parked  # loaded, but nothing to compute without the token
+    s.supply_first_token(r.request_id, SampledToken(50))
+    out = run_step(s, 60)
+    (only,) = out.scheduled
+    assert only.request is r and only.num_new_tokens == 1
+    run_step(s, 61)
+    assert r.output_token_ids == [50, 60, 61] and r.finish_reason is FinishReason.LENGTH
+    assert_idle(s)
+
+
+def test_first_token_before_the_load_ends_and_its_refusals() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(6, max_tokens=3)
+    fake.offer(r, 6, asynchronous=True)
+    r.awaiting_first_token = True
+    s.add(r)
+    run_step(s)
+    s.supply_first_token(r.request_id, SampledToken(50))
+    with pytest.raises(InvalidRequestError, match="already"):
+        s.supply_first_token(r.request_id, SampledToken(51))
+    fake.end_load(r.request_id)
+    assert run_step(s).scheduled[0].request is r
+    eos = req(3)
+    eos.awaiting_first_token = True
+    s.add(eos)
+    with pytest.raises(InvalidRequestError, match="ends"):
+        s.supply_first_token(eos.request_id, SampledToken(EOS))
+    with pytest.raises(InvalidRequestError, match="no request"):
+        s.supply_first_token(RequestId("nobody"), SampledToken(1))
+
+
+def test_failed_asynchronous_load_recomputes_the_prompt_but_not_the_first_token() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(10, max_tokens=2)
+    fake.offer(r, 10, asynchronous=True)
+    r.awaiting_first_token = True
+    s.add(r)
+    run_step(s)
+    fake.end_load(r.request_id, ok=False)
+    run_step(s)
+    assert r.request_id in s.parked and not r.slots  # slots freed, nothing computed
+    s.supply_first_token(r.request_id, SampledToken(50))
+    out = run_step(s, 60)
+    # the prompt and the first token are computed here; the token after is sampled
+    assert out.scheduled[0].num_new_tokens == 11
+    assert r.output_token_ids == [50, 60] and r.is_finished
+    assert_idle(s)
+
+
+def test_finished_request_keeps_its_slots_until_the_connector_lets_go() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(8, max_tokens=1)
+    fake.hold_on_finish.add(r.request_id)
+    s.add(r)
+    run_step(s)
+    assert r.is_finished and r.request_id in s.releasing and len(r.slots) == 2
+    fake.release(r.request_id)
+    run_step(s)
+    assert_idle(s)
+
+
+def test_abort_during_an_asynchronous_load_frees_slots_once_released() -> None:
+    fake = FakeConnector()
+    s = make(connector=fake)
+    r = req(8, max_tokens=2)
+    fake.offer(r, 8, asynchronous=True)
+    r.awaiting_first_token = True
+    s.add(r)
+    run_step(s)
+    assert s.finish(r.request_id, FinishReason.ABORT) is r
+    assert r.request_id in s.releasing and s.kv.num_free == s.kv.num_slots - 2
+    fake.release(r.request_id)
+    run_step(s)
+    assert_idle(s)

@@ -1,0 +1,100 @@
+"""Where a prompt's KV already is: its block keys looked up in the prompt index.
+
+The gateway computes a prompt's block keys with the workers' own function
+(:meth:`BlockHasher.extend`, over the KV namespace and block size they
+register) and asks the index who holds each block. Two answers come back:
+how many leading tokens each prefill/decode instance holds in its own pool,
+and how many the KV store holds (blocks of one prefix sit on different store
+nodes, and any instance can pull them). Only live holders count, and only the
+blocks a prefill may reuse: the last prompt token is always computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from shared.cluster.block_index import BlockIndex
+from shared.kv.block_hash import BlockHasher
+
+log = logging.getLogger(__name__)
+STORE_ROLE = "kvstore"
+
+
+@dataclass(frozen=True)
+class PrefixHits:
+    """Leading prompt tokens whose KV is held: per instance in its own pool, and in the
+    store (pullable by every instance)."""
+
+    local: Mapping[str, int] = field(default_factory=dict)
+    store: int = 0
+
+    def cached(self, instance_id: str) -> int:
+        """Tokens ``instance_id`` would not compute: its own blocks, or pulled ones."""
+        return max(self.local.get(instance_id, 0), self.store)
+
+
+NO_HITS = PrefixHits()
+
+
+class PrefixLocator:
+    def __init__(self, index: BlockIndex, *, enabled: bool):
+        self.index = index
+        self.enabled = enabled
+        self._hasher: BlockHasher | None = None
+
+    def hasher(self, namespace: str, block_size: int) -> BlockHasher:
+        h = self._hasher
+        if h is None or h.namespace != namespace or h.block_size != block_size:
+            h = self._hasher = BlockHasher(namespace=namespace, block_size=block_size)
+        return h
+
+    async def locate(
+        self,
+        prompt: Sequence[int],
+        cache_salt: str | None,
+        *,
+        namespace: str | None,
+        block_size: int | None,
+        live: Mapping[str, str],
+    ) -> PrefixHits:
+        """``live``: instance id -> role of every live instance."""
+        if not self.enabled or namespace is None or not block_size:
+            return NO_HITS
+        usable = (len(prompt) - 1) // block_size
+        if usable <= 0:
+            return NO_HITS
+        keys = self.hasher(namespace, block_size).keys(prompt[: usable * block_size], cache_salt)
+        try:
+            rows = await self.index.holders([k.hex() for k in keys])
+        except (RedisError, OSError) as exc:  # degraded: route without cache locality
+            log.warning("prompt index unreachable; routing without it: %s", exc)
+            return NO_HITS
+        return hits_from_holders(rows, live, block_size)
+
+
+def hits_from_holders(
+    rows: Sequence[set[str]], live: Mapping[str, str], block_size: int
+) -> PrefixHits:
+    """Per live worker its longest held prefix; for the store, the longest prefix every
+    block of which some live store node holds."""
+    local: dict[str, int] = {}
+    store = 0
+    store_run = True
+    running: set[str] | None = None
+    for pos, holders in enumerate(rows):
+        holders = {h for h in holders if h in live}
+        if store_run and any(live[h] == STORE_ROLE for h in holders):
+            store = pos + 1
+        else:
+            store_run = False
+        workers = {h for h in holders if live[h] != STORE_ROLE}
+        running = workers if running is None else running & workers
+        for holder in running:
+            local[holder] = pos + 1
+        if not running and not store_run:
+            break
+    return PrefixHits({k: v * block_size for k, v in local.items()}, store * block_size)

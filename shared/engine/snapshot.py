@@ -1,0 +1,26 @@
+"""An immutable picture of an engine between two steps, for other threads to read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.engine.request import RequestId
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    steps: int = 0  # steps that computed tokens
+    waiting: int = 0  # queued for slots or for compute
+    running: int = 0
+    loading: int = 0  # asynchronous KV loads in flight
+    parked: int = 0  # prefilled elsewhere, waiting for their first token
+    pending_tokens: int = 0  # tokens of queued and running requests not yet computed
+    free_slots: int = 0
+    num_slots: int = 1
+    cached_blocks: int = 0  # blocks findable by key in the local pool
+    requests: frozenset[RequestId] = frozenset()
+
+    @property
+    def usage(self) -> float:
+        """Share of the KV pool's slots that requests hold."""
+        return 1.0 - self.free_slots / self.num_slots

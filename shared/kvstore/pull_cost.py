@@ -1,0 +1,58 @@
+"""Pull or recompute: a cost model fed by what this instance measures.
+
+Loading ``n`` tokens of KV from the store costs about ``latency + n *
+bytes_per_token / bandwidth``; computing them costs ``n / compute_rate``.
+Both rates are moving averages of real transfers and prefill steps on this
+machine, seeded with conservative guesses until the first measurements. A
+load is worth it when it is cheaper than the compute it replaces (hidden
+behind the layers still to compute, it is usually much cheaper); the
+crossover is where the two meet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PullPolicy = Literal["auto", "always", "never"]
+ALPHA = 0.2  # weight of a new measurement
+MIN_LOAD_BYTES = 1 << 20  # smaller loads measure latency, not bandwidth
+MIN_STEP_TOKENS = 64  # smaller steps are dominated by weight reads, not prefill compute
+
+
+@dataclass
+class PullCost:
+    bytes_per_token: int
+    policy: PullPolicy = "auto"
+    bandwidth: float = 1e9  # bytes/s
+    latency_s: float = 2e-3  # fixed cost of one load (lease, first round trips)
+    compute_rate: float = 300.0  # prefill tokens/s
+
+    def pull_s(self, tokens: int) -> float:
+        return self.latency_s + tokens * self.bytes_per_token / self.bandwidth
+
+    def compute_s(self, tokens: int) -> float:
+        return tokens / self.compute_rate
+
+    def worth_pulling(self, tokens: int) -> bool:
+        if self.policy != "auto":
+            return self.policy == "always"
+        return tokens > 0 and self.pull_s(tokens) < self.compute_s(tokens)
+
+    def crossover_tokens(self) -> float:
+        """Fewest tokens for which pulling beats recomputing (inf: never)."""
+        per_token = 1.0 / self.compute_rate - self.bytes_per_token / self.bandwidth
+        return self.latency_s / per_token if per_token > 0 else float("inf")
+
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if nbytes >= MIN_LOAD_BYTES:
+            self.bandwidth += ALPHA * (nbytes / seconds - self.bandwidth)
+        else:
+            fixed = max(0.0, seconds - nbytes / self.bandwidth)
+            self.latency_s += ALPHA * (fixed - self.latency_s)
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        if tokens >= MIN_STEP_TOKENS and seconds > 0:
+            self.compute_rate += ALPHA * (tokens / seconds - self.compute_rate)

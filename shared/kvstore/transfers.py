@@ -1,0 +1,108 @@
+"""The transfers the KV-store connector runs on the event loop, and what the engine
+thread and the event loop share about them.
+
+A :class:`Load` streams blocks from the store into pool slots, layer by
+layer; a :class:`PutJob` writes a request's blocks into a two-phase put as
+their layers become final, then commits. Both are state machines whose state
+the engine thread reads under the connector's condition and never waits on
+without a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from shared.engine.kv_cache_manager import Slot
+from shared.engine.kv_connector import ConnectorEvents
+from shared.engine.request import RequestId
+from shared.kvstore.client import LeaseSet, PutHandle
+
+
+@dataclass(eq=False)
+class Load:
+    """Blocks ``ids`` of a request loading into ``slots``.
+
+    Engine thread and event loop share ``layers``, ``error``, ``done`` and
+    ``abandoned`` under the connector's condition; ``task`` is the event loop's.
+    """
+
+    request_id: RequestId
+    ids: list[str]
+    slots: list[Slot]
+    asynchronous: bool
+    wait_s: float
+    lease: LeaseSet | None
+    layers: int = 0  # leading layers that landed
+    error: BaseException | None = None
+    done: bool = False  # nothing writes into the slots any more
+    abandoned: bool = False  # its request ended first: report it released when done
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.done and self.error is not None
+
+
+LayerItem = tuple[int, list[int], list[Slot]]  # layer, block indices, their slots
+
+
+@dataclass(eq=False)
+class PutJob:
+    """A request's blocks in a two-phase put, written layer by layer (or whole, after
+    their last layer), committed once every block the store lacked is written.
+
+    ``next_block``/``step_start`` belong to the engine thread; the rest to the
+    event loop. ``needed`` are the block indices some replica reserved (the
+    store lacks them); the others are skipped.
+    """
+
+    request_id: RequestId
+    put: PutHandle
+    ids: list[str]
+    needed: frozenset[int]
+    whole_blocks: bool
+    committed: asyncio.Future[None]
+    queue: asyncio.Queue[LayerItem | None] = field(default_factory=asyncio.Queue)  # None: stop
+    written: set[int] = field(default_factory=set)
+    failed: bool = False
+    next_block: int = 0  # blocks planned so far (engine thread)
+    step_start: int = 0  # the first block planned in the current step (engine thread)
+    writer: asyncio.Task[None] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.written >= self.needed
+
+
+class Events:
+    """Thread-safe sets of finished transfers, drained by :meth:`take`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loaded: set[RequestId] = set()
+        self._failed: set[RequestId] = set()
+        self._released: set[RequestId] = set()
+
+    def loaded(self, rid: RequestId) -> None:
+        with self._lock:
+            self._loaded.add(rid)
+
+    def failed(self, rid: RequestId) -> None:
+        with self._lock:
+            self._failed.add(rid)
+
+    def released(self, rid: RequestId) -> None:
+        with self._lock:
+            self._released.add(rid)
+
+    def take(self) -> ConnectorEvents:
+        with self._lock:
+            events = ConnectorEvents(
+                frozenset(self._loaded), frozenset(self._failed), frozenset(self._released)
+            )
+            self._loaded.clear()
+            self._failed.clear()
+            self._released.clear()
+        return events

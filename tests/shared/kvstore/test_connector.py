@@ -1,0 +1,291 @@
+"""The KV-store connector between real engines and a fake store: prefill streams its
+layers into a put, decode loads them and continues, later prompts load cached
+prefixes and answers, and every failure of the store ends in a recompute with the
+same tokens as one engine alone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine_loop import EngineLoop
+from shared.engine.request import CacheHit, SampledToken
+from shared.engine.sampling_params import SamplingParams
+from shared.kvstore.connector import KVStoreConnector, StorePlan
+from shared.kvstore.connector_metrics import ConnectorMetrics
+from shared.kvstore.pull_cost import PullPolicy
+from tests.conftest import EngineFactory
+from tests.shared.kvstore.fake_store import FakeKVStoreClient
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+TEXT = "The harbour lights came on one by one as the fishing boats returned. " * 6
+
+
+class Node:
+    """An engine with a KV-store connector over the shared fake store, on its loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        connector: KVStoreConnector,
+        loop: EngineLoop,
+        registry: CollectorRegistry,
+    ):
+        self.engine = engine
+        self.connector = connector
+        self.loop = loop
+        self.registry = registry
+        self.last_plan = StorePlan()
+
+    def stale(self) -> float:
+        return self.registry.get_sample_value("baton_prefix_cache_stale_total") or 0.0
+
+    async def prefill(self, prompt: list[int], params: SamplingParams, rid: str) -> RequestOutput:
+        engine = self.engine
+        req = engine.new_request(prompt, _first_only(params), request_id=rid)
+        plan = await self.connector.plan_prefill(req)
+        outputs = self.loop.subscribe(rid)
+        await self.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        out = await asyncio.wait_for(outputs.get(), 120)
+        assert out is not None and plan.put_job is not None
+        await asyncio.wait_for(asyncio.shield(plan.put_job.committed), 60)
+        self.last_plan = plan
+        return out
+
+    async def decode(
+        self, prompt: list[int], params: SamplingParams, rid: str, store_ids: list[str], first: int
+    ) -> list[int]:
+        req = self.engine.new_request(prompt, params, request_id=rid)
+        plan = self.connector.plan_decode(store_ids, wait_s=60)
+        outputs = self.loop.subscribe(rid)
+        await self.loop.call(
+            lambda e: e.add(req, kv_transfer=plan, awaiting_first_token=True, detokenize=False)
+        )
+        await self.loop.call(lambda e: e.supply_first_token(rid, SampledToken(first)))
+        tokens = [first]
+        while True:
+            out = await asyncio.wait_for(outputs.get(), 120)
+            assert out is not None
+            tokens += out.new_token_ids
+            if out.finished:
+                return tokens
+
+
+def _first_only(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=1, temperature=params.temperature, top_p=params.top_p, seed=params.seed
+    )
+
+
+@contextlib.asynccontextmanager
+async def node(
+    make_engine: EngineFactory,
+    store: FakeKVStoreClient,
+    *,
+    policy: PullPolicy = "always",
+    **kw: int,
+) -> AsyncIterator[Node]:
+    registry = CollectorRegistry()
+    connector = KVStoreConnector(
+        store,  # type: ignore[arg-type]
+        ConnectorMetrics(registry),
+        caching=True,
+        pull_policy=policy,
+        load_timeout_s=60,
+    )
+    engine = make_engine(connector=connector, **kw)
+    loop = EngineLoop(engine)
+    loop.start()
+    connector.start(asyncio.get_running_loop(), loop.wake)
+    try:
+        yield Node(engine, connector, loop, registry)
+    finally:
+        await loop.stop()
+        await connector.close()
+
+
+def fake_store(make_engine: EngineFactory) -> FakeKVStoreClient:
+    layout = make_engine(kv_cache_bytes=1 << 20).layout
+    return FakeKVStoreClient(layout.block_bytes, layout.num_layers)
+
+
+def reference(make_engine: EngineFactory, prompt: list[int], params: SamplingParams) -> list[int]:
+    return make_engine().generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_prefill_to_decode_through_the_store_is_token_exact(
+    make_engine: EngineFactory, params: SamplingParams
+) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, params)
+    async with (
+        node(make_engine, store, max_num_batched_tokens=48) as p,  # chunked over steps
+        node(make_engine, store) as d,
+    ):
+        first = await p.prefill(prompt, params, "p1")
+        ids = p.last_plan.put_ids
+        tokens = await d.decode(prompt, params, "d1", ids, first.new_token_ids[0])
+        assert tokens == expected
+        # every layer of every block went out, layer by layer, and the put committed
+        assert set(ids) <= store.committed()
+        layered = [w for w in store.node.writes if w[1] is not None]
+        assert len(layered) == len(ids) * p.engine.layout.num_layers
+        # decode's prompt+answer blocks were cached under their content keys (off the
+        # token path: everything but the last token was computed); the request's slots
+        # came back once that was written
+        await asyncio.sleep(0.2)
+        computed = prompt + tokens[:-1]
+        full = len(computed) // p.engine.layout.block_size
+        assert full > len(prompt) // p.engine.layout.block_size
+        keys = {k.hex() for k in p.engine.hasher.keys(computed)}
+        assert keys <= store.committed()
+        assert await d.loop.call(lambda e: e.kv.num_free == e.kv.num_slots)
+
+
+async def test_store_bytes_equal_the_engines_own_kv(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    async with node(make_engine, store, max_num_batched_tokens=40) as p:
+        await p.prefill(prompt, GREEDY, "p1")
+        ids = p.last_plan.put_ids
+    solo = make_engine()
+    solo.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    keys = solo.hasher.keys(prompt)
+    hits = solo.kv.local_hit(solo.new_request([*prompt, 1], GREEDY), len(keys))
+    assert len(hits) == len(keys)
+    for slot, block_id in zip(hits, ids, strict=False):
+        expected = solo.kv_cache.block(slot).contiguous().view(torch.uint8).numpy().reshape(-1)
+        assert np.array_equal(store.node.blocks[block_id].data, expected)
+
+
+async def test_a_cached_prefix_is_loaded_layer_by_layer_and_only_new_blocks_written(
+    make_engine: EngineFactory,
+) -> None:
+    store = fake_store(make_engine)
+    tok = make_engine().tokenizer
+    base = tok.encode(TEXT)
+    longer = base + tok.encode(" Then the wind turned and the rain began to fall.")
+    expected = reference(make_engine, longer, GREEDY)[0]
+    async with node(make_engine, store) as first:
+        await first.prefill(base, GREEDY, "warm")
+    writes_before = len(store.node.writes)
+    async with node(make_engine, store) as fresh:  # an empty local pool: all from the store
+        out = await fresh.prefill(longer, GREEDY, "hit")
+    bs = fresh.engine.layout.block_size
+    cached = (len(base) // bs) * bs
+    assert out.cache_hit == CacheHit(local_tokens=0, external_tokens=cached)
+    assert out.new_token_ids[0] == expected
+    new_blocks = -(-len(longer) // bs) - len(base) // bs
+    assert len(store.node.writes) - writes_before == new_blocks * fresh.engine.layout.num_layers
+    assert store.streams == 1
+
+
+async def test_local_blocks_are_not_loaded_again(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    async with node(make_engine, store) as p:
+        await p.prefill(prompt, GREEDY, "a")
+        out = await p.prefill([*prompt, 42, 43], GREEDY, "b")
+    assert out.cache_hit.external_tokens == 0 and out.cache_hit.local_tokens > 0
+    assert store.streams == 0
+
+
+async def test_a_stale_index_entry_is_recomputed_with_the_same_token(
+    make_engine: EngineFactory,
+) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, GREEDY)[0]
+    async with node(make_engine, store) as warm:
+        await warm.prefill(prompt, GREEDY, "warm")
+    ids = warm.last_plan.put_ids
+    store.evict_keep_index(ids[2:])  # the index still claims them
+    async with node(make_engine, store) as p:
+        out = await p.prefill(prompt, GREEDY, "stale")
+        stale = p.stale()
+    assert out.new_token_ids[0] == expected
+    assert out.cache_hit.external_tokens == 2 * p.engine.layout.block_size  # what is left
+    assert stale == 1
+    full = ids[: len(prompt) // p.engine.layout.block_size]  # the tail id is request-scoped
+    assert set(full) <= store.committed()  # the prefill rewrote what was lost
+
+
+async def test_a_load_that_breaks_mid_step_is_recomputed(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, GREEDY)[0]
+    async with node(make_engine, store) as warm:
+        await warm.prefill(prompt[:-5], GREEDY, "warm")
+    store.break_streams_after = 7
+    async with node(make_engine, store) as p:
+        out = await p.prefill(prompt, GREEDY, "broken")
+        stale = p.stale()
+    assert out.new_token_ids[0] == expected
+    assert out.cache_hit == CacheHit()  # recomputed: nothing was reused in the end
+    assert stale == 1
+    # what the put wrote after the failed step is the engine's own KV, not garbage
+    solo = make_engine()
+    solo.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    keys = solo.hasher.keys(prompt)
+    slots = solo.kv.local_hit(solo.new_request([*prompt, 1], GREEDY), len(keys))
+    for slot, key in zip(slots, keys, strict=True):
+        expected_bytes = solo.kv_cache.block(slot).contiguous().view(torch.uint8).numpy()
+        assert np.array_equal(store.node.blocks[key.hex()].data, expected_bytes.reshape(-1))
+
+
+async def test_decode_recomputes_when_its_prompt_cannot_be_loaded(
+    make_engine: EngineFactory,
+) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, SEEDED)
+    async with node(make_engine, store) as p:
+        first = await p.prefill(prompt, SEEDED, "p")
+    ids = p.last_plan.put_ids
+    store.break_streams_after = 3
+    async with node(make_engine, store) as d:
+        tokens = await d.decode(prompt, SEEDED, "d", ids, first.new_token_ids[0])
+        stale = d.stale()
+    assert tokens == expected and stale == 1
+
+
+async def test_the_next_turn_reuses_the_previous_answer(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    tok = make_engine().tokenizer
+    turn1 = tok.encode(TEXT)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    async with node(make_engine, store) as p, node(make_engine, store) as d:
+        first = await p.prefill(turn1, params, "t1-p")
+        answer = await d.decode(turn1, params, "t1-d", p.last_plan.put_ids, first.new_token_ids[0])
+        await asyncio.sleep(0.2)  # decode caches prompt+answer off the token path
+    turn2 = turn1 + answer + tok.encode(" And after that?")
+    expected = reference(make_engine, turn2, params)
+    async with node(make_engine, store) as p2, node(make_engine, store) as d2:
+        first2 = await p2.prefill(turn2, params, "t2-p")
+        bs = p2.engine.layout.block_size
+        # everything decode computed (all but the answer's last token) is reused
+        assert first2.cache_hit.external_tokens == (len(turn1) + len(answer) - 1) // bs * bs
+        tokens = await d2.decode(
+            turn2, params, "t2-d", p2.last_plan.put_ids, first2.new_token_ids[0]
+        )
+    assert tokens == expected
+
+
+async def test_recompute_policy_never_pulls(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    async with node(make_engine, store) as warm:
+        await warm.prefill(prompt, GREEDY, "warm")
+    async with node(make_engine, store, policy="never") as p:
+        out = await p.prefill(prompt, GREEDY, "never")
+    assert out.cache_hit == CacheHit() and store.streams == 0
