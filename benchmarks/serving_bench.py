@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.results import save_json
 from shared.bench.runner import Target, send
+from shared.bench.workload import RequestSpec
 from shared.config import CacheConfig, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
@@ -86,7 +87,8 @@ class BenchClient:
         self.http = httpx.AsyncClient(timeout=600)
 
     def run(self, prompt: list[int], max_tokens: int) -> Sample:
-        result, _ = self.runner.run(send(self.http, self.target, prompt, max_tokens))
+        spec = RequestSpec(tuple(prompt), max_tokens)
+        result, _ = self.runner.run(send(self.http, self.target, spec))
         if not result.ok:
             raise RuntimeError(f"request failed: {result.error}")
         return timeline_sample(result.start, list(result.chunk_times))

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per worker")
     up.add_argument("--kvstore-gb", type=float, default=1.0, help="capacity per store node")
     up.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn all KV reuse off (local pools, the store, answers, cache-aware routing); "
+        "same as BATON_ENABLE_PREFIX_CACHING=false",
+    )
+    up.add_argument(
         "--colocated",
         action="store_true",
         help="the baseline: one engine serving both phases (mixed batching) behind the gateway",
@@ -236,6 +242,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             colocated=1 if args.colocated else 0,
             cpus=cpus,
             engine_cpus=engine_cpus,
+            prefix_caching=not args.no_prefix_cache,
             extra_env={"BATON_CACHE_DIR": str(settings.cache_dir)},
         )
 

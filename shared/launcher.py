@@ -80,6 +80,7 @@ class Topology:
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
+    prefix_caching: bool = True  # False: no KV reuse anywhere (a baseline for caching)
     cpus: dict[str, str] = field(default_factory=dict)  # role -> CPU list, e.g. {"prefill": "0"}
     # role -> CPUs of the engine thread alone (the rest of the process stays on `cpus`)
     engine_cpus: dict[str, str] = field(default_factory=dict)
@@ -92,6 +93,8 @@ def plan(topo: Topology) -> list[ServiceSpec]:
         common["BATON_MODEL"] = topo.model
     if topo.dtype:
         common["BATON_DTYPE"] = topo.dtype
+    if not topo.prefix_caching:
+        common["BATON_ENABLE_PREFIX_CACHING"] = "false"
     common.update(topo.extra_env)
     specs: list[ServiceSpec] = []
 

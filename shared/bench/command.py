@@ -12,13 +12,14 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from shared.bench import prefix_trace
 from shared.bench import workload as wl
 from shared.bench.metrics import SLO, summarize
 from shared.bench.report import RunReport, text_summary, write_json, write_png
 from shared.bench.runner import Target, discover_model, run_conversations, run_open_loop
 from shared.errors import InvalidRequestError
 
-WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn")
+WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn", "prefix-trace")
 
 
 def add_parser(sub: Any) -> None:
@@ -44,7 +45,26 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
-    p.add_argument("--trace", type=Path, default=None, help="Azure 2023 trace CSV")
+    p.add_argument(
+        "--user-len", type=int, default=None, help="multi-turn: new tokens per later turn "
+        "(default: input-len / 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--think-time", type=float, default=0.0,
+        help="multi-turn: mean pause (s, exponential) before each later turn",
+    )  # fmt: skip
+    p.add_argument(
+        "--trace", type=Path, default=None,
+        help="trace: Azure 2023 CSV; prefix-trace: JSONL with hash_ids (default: a synthetic "
+        "one of --num-prompts requests at --request-rate)",
+    )  # fmt: skip
+    p.add_argument(
+        "--trace-block-size", type=int, default=512, help="prefix-trace: tokens per hash id"
+    )
+    p.add_argument(
+        "--cache-block-size", type=int, default=16,
+        help="prefix-trace: the server's KV block size (the oracle counts whole blocks)",
+    )  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: <1 stretches time")
     p.add_argument("--token-scale", type=float, default=1.0, help="trace: scales token counts")
     p.add_argument("--max-input", type=int, default=4096)
@@ -70,6 +90,24 @@ def _rates(text: str) -> list[float]:
 def build_workload(args: argparse.Namespace, rate: float) -> list[wl.RequestSpec]:
     n = args.num_prompts
     times = wl.arrivals(n, rate, args.burstiness, np.random.default_rng(args.seed))
+    if args.workload == "prefix-trace":
+        if args.trace is not None:
+            hashed = prefix_trace.load(args.trace)
+        else:
+            synth_rate = rate if np.isfinite(rate) else 1.0
+            hashed = prefix_trace.synthesize(
+                n, block_tokens=args.trace_block_size, rate=synth_rate, seed=args.seed
+            )
+        return prefix_trace.replay(
+            hashed,
+            n=n,
+            block_tokens=args.trace_block_size,
+            cache_block=args.cache_block_size,
+            time_scale=args.time_scale,
+            max_input=args.max_input,
+            max_output=args.max_output,
+            seed=args.seed,
+        )
     if args.workload == "trace":
         if args.trace is None:
             raise InvalidRequestError("--workload trace needs --trace FILE")
@@ -89,15 +127,18 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[wl.RequestSpec
         )
     if args.workload == "multi-turn":
         conversations = max(1, n // args.turns)
+        user_len = args.user_len or args.input_len // 4 or 1
         return wl.multi_turn(
-            conversations, args.turns, args.input_len, args.input_len // 4 or 1,
-            args.output_len, times, args.seed,
+            conversations, args.turns, args.input_len, user_len, args.output_len, times,
+            args.seed, think_s=args.think_time,
         )  # fmt: skip
     return wl.synthetic(n, args.input_len, args.output_len, times, args.seed)
 
 
 async def _run(args: argparse.Namespace) -> int:
-    for name in ("num_prompts", "input_len", "output_len", "turns"):
+    if args.think_time < 0:
+        raise InvalidRequestError("--think-time must not be negative")
+    for name in ("num_prompts", "input_len", "output_len", "turns", "trace_block_size"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
     slo = SLO.parse(args.slo) if args.slo else None
@@ -109,7 +150,8 @@ async def _run(args: argparse.Namespace) -> int:
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
                 raise InvalidRequestError(f"cannot list models at {args.url}: {exc}") from exc
     target = Target(args.url, model, args.api_key)
-    rates = [None] if args.workload == "trace" else _rates(args.request_rate)
+    replayed = args.workload == "trace" or (args.workload == "prefix-trace" and args.trace)
+    rates = [None] if replayed else _rates(args.request_rate)
     runs: list[RunReport] = []
     for rate in rates:
         specs = build_workload(args, rate if rate is not None else float("inf"))

@@ -27,6 +27,9 @@ class RequestResult:
     chunk_times: tuple[float, ...]  # arrival of each chunk that carried choices
     end: float  # when the response ended (error or not)
     error: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
+    turn: int | None = None  # multi-turn: 0 for a conversation's first request
+    oracle_cached: int | None = None  # prefix traces: what an infinite cache would serve
 
     @property
     def ok(self) -> bool:
@@ -111,6 +114,40 @@ class Distribution:
 
 
 @dataclass(frozen=True)
+class CacheSummary:
+    """Prompt reuse the server reported, next to the infinite-cache oracle when known."""
+
+    hit_rate: float  # cached prompt tokens / prompt tokens, completed requests
+    oracle_hit_rate: float | None
+    ttft_by_turn: dict[int, Distribution]  # multi-turn runs
+
+    @property
+    def of_oracle(self) -> float | None:
+        if not self.oracle_hit_rate:
+            return None
+        return self.hit_rate / self.oracle_hit_rate
+
+    @classmethod
+    def of(cls, done: Sequence[RequestResult]) -> CacheSummary | None:
+        reported = [r for r in done if r.cached_tokens is not None]
+        if not reported:
+            return None
+        prompt = sum(r.prompt_tokens for r in reported)
+        oracle = [r for r in reported if r.oracle_cached is not None]
+        oracle_rate = (
+            sum(r.oracle_cached or 0 for r in oracle) / sum(r.prompt_tokens for r in oracle)
+            if oracle
+            else None
+        )
+        turns = sorted({r.turn for r in done if r.turn is not None})
+        by_turn = {
+            t: Distribution.of([r.ttft for r in done if r.turn == t and r.ttft is not None])
+            for t in turns
+        }
+        return cls(sum(r.cached_tokens or 0 for r in reported) / prompt, oracle_rate, by_turn)
+
+
+@dataclass(frozen=True)
 class Summary:
     completed: int
     failed: int
@@ -124,9 +161,13 @@ class Summary:
     itl: Distribution
     e2e: Distribution
     errors: dict[str, int]
+    cache: CacheSummary | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.cache is not None:
+            out["cache"]["of_oracle"] = self.cache.of_oracle
+        return out
 
 
 def summarize(
@@ -155,4 +196,5 @@ def summarize(
         itl=Distribution.of([g for r in done for g in r.itls]),
         e2e=Distribution.of([r.e2e for r in done if r.e2e is not None]),
         errors=errors,
+        cache=CacheSummary.of(done),
     )

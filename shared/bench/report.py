@@ -72,6 +72,16 @@ def text_summary(run: RunReport) -> str:
     lines.append(f"{'(ms)':6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         lines.append(f"{name.upper():6}{_ms(getattr(s, name))}")
+    if s.cache is not None:
+        line = f"prefix cache: {s.cache.hit_rate:.1%} of prompt tokens reused"
+        if s.cache.oracle_hit_rate is not None and s.cache.of_oracle is not None:
+            line += (
+                f" (infinite-cache oracle {s.cache.oracle_hit_rate:.1%}; "
+                f"{s.cache.of_oracle:.1%} of it)"
+            )
+        lines.append(line)
+        for turn, d in s.cache.ttft_by_turn.items():
+            lines.append(f"{f'TTFT turn {turn + 1}':16}{_ms(d)}")
     for err, count in s.errors.items():
         lines.append(f"error x{count}: {err}")
     return "\n".join(lines)

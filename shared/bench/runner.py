@@ -41,10 +41,13 @@ async def discover_model(http: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def send(
-    http: httpx.AsyncClient, target: Target, prompt: Sequence[int], max_tokens: int
+    http: httpx.AsyncClient, target: Target, spec: RequestSpec, prompt: Sequence[int] | None = None
 ) -> tuple[RequestResult, list[int]]:
-    """One streamed request; returns its timeline and the output token ids when the
-    server reports them (Baton and vLLM do with ``return_token_ids``)."""
+    """One streamed request (``prompt`` overrides the spec's, for later turns); returns
+    its timeline and the output token ids when the server reports them (Baton and vLLM
+    do with ``return_token_ids``)."""
+    prompt = spec.prompt if prompt is None else prompt
+    max_tokens = spec.max_tokens
     body = {
         "model": target.model,
         "prompt": list(prompt),
@@ -60,6 +63,7 @@ async def send(
     stamps: list[float] = []
     tokens: list[int] = []
     usage_tokens: int | None = None
+    cached: int | None = None
     error: str | None = None
     try:
         async with http.stream(
@@ -79,7 +83,11 @@ async def send(
                         stamps.append(time.perf_counter())
                         tokens += chunk["choices"][0].get("token_ids") or []
                     if chunk.get("usage"):
-                        usage_tokens = int(chunk["usage"]["completion_tokens"])
+                        usage = chunk["usage"]
+                        usage_tokens = int(usage["completion_tokens"])
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            cached = int(details["cached_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     # content chunks plus the final finish-reason chunk (no token); trust usage when given
@@ -92,6 +100,9 @@ async def send(
         chunk_times=tuple(content_stamps),
         end=time.perf_counter(),
         error=error,
+        cached_tokens=cached,
+        turn=spec.turn if spec.conversation is not None else None,
+        oracle_cached=spec.oracle_cached,
     )
     return result, tokens
 
@@ -108,10 +119,10 @@ async def run_open_loop(
         async def one(i: int, spec: RequestSpec) -> None:
             await asyncio.sleep(max(0.0, spec.arrival - (time.perf_counter() - t0)))
             if gate is None:
-                results[i], _ = await send(http, target, spec.prompt, spec.max_tokens)
+                results[i], _ = await send(http, target, spec)
             else:
                 async with gate:
-                    results[i], _ = await send(http, target, spec.prompt, spec.max_tokens)
+                    results[i], _ = await send(http, target, spec)
             progress()
 
         await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
@@ -122,7 +133,8 @@ async def run_open_loop(
 async def run_conversations(
     target: Target, specs: Sequence[RequestSpec], progress: Progress, seed: int = 0
 ) -> tuple[list[RequestResult], float]:
-    """Multi-turn: turn k+1 = turn k's prompt + its answer + new user tokens."""
+    """Multi-turn: turn k+1 = turn k's prompt + its answer + new user tokens, sent its
+    think time after turn k's answer ended."""
     rng = random.Random(seed)
     by_conv: dict[int, list[RequestSpec]] = defaultdict(list)
     for s in specs:
@@ -136,7 +148,8 @@ async def run_conversations(
             history: list[int] = []
             for k, turn in enumerate(turns):
                 prompt = list(turn.prompt) if k == 0 else history + list(turn.prompt)
-                result, answer = await send(http, target, prompt, turn.max_tokens)
+                await asyncio.sleep(turn.think_s)
+                result, answer = await send(http, target, turn, prompt)
                 results.append(result)
                 progress()
                 if not result.ok:

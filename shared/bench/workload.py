@@ -32,7 +32,9 @@ class RequestSpec:
     max_tokens: int
     arrival: float = 0.0  # seconds after the start (open loop)
     conversation: int | None = None  # multi-turn: which conversation, turn order = list order
-    user_tokens: int = 0  # multi-turn: new tokens this turn adds after the history
+    turn: int = 0  # multi-turn: 0 for the first turn
+    think_s: float = 0.0  # multi-turn: the user's pause after the previous answer
+    oracle_cached: int | None = None  # prefix traces: tokens an infinite cache would serve
 
 
 def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
@@ -84,17 +86,20 @@ def multi_turn(
     output_len: int,
     times: Sequence[float],
     seed: int = 0,
+    think_s: float = 0.0,
 ) -> list[RequestSpec]:
-    """Conversations whose turn ``k+1`` is sent after turn ``k`` ends, with the whole
-    history (previous prompt + the answer received) plus ``user_len`` new tokens; the
-    spec holds the first turn's prompt, later turns only their new tokens."""
+    """Conversations whose turn ``k+1`` is sent a think time after turn ``k`` ends, with
+    the whole history (previous prompt + the answer received) plus ``user_len`` new
+    tokens; the spec holds the first turn's prompt, later turns only their new tokens.
+    Think times are exponential with mean ``think_s`` (seeded)."""
     rng = random.Random(seed)
     out = []
     for c in range(conversations):
         at = times[c] if c < len(times) else 0.0
         for t in range(turns):
             prompt = synthetic_prompt(first_len if t == 0 else user_len, rng)
-            out.append(RequestSpec(prompt, output_len, at, conversation=c, user_tokens=t))
+            think = rng.expovariate(1.0 / think_s) if think_s > 0 and t > 0 else 0.0
+            out.append(RequestSpec(prompt, output_len, at, conversation=c, turn=t, think_s=think))
     return out
 
 

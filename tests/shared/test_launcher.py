@@ -93,3 +93,16 @@ def test_plan_pins_the_decode_engine_thread_apart_from_its_io() -> None:
     env = {s.role: s.env for s in plan(topo)}
     assert env["decode"]["BATON_CPUS"] == "0" and env["decode"]["BATON_ENGINE_CPUS"] == "1"
     assert env["prefill"]["BATON_CPUS"] == "0" and "BATON_ENGINE_CPUS" not in env["prefill"]
+
+
+def test_no_prefix_cache_reaches_every_service() -> None:
+    """``baton up --no-prefix-cache``: no worker reuses KV and the gateway routes without
+    the prompt index (the baseline caching is measured against)."""
+    from shared.cli import build_parser
+
+    args = build_parser().parse_args(["up", "--no-prefix-cache"])
+    assert args.no_prefix_cache
+    off = plan(Topology(redis_url="redis://r:1/0", prefix_caching=False))
+    assert {s.env.get("BATON_ENABLE_PREFIX_CACHING") for s in off} == {"false"}
+    on = plan(Topology(redis_url="redis://r:1/0"))
+    assert all("BATON_ENABLE_PREFIX_CACHING" not in s.env for s in on)
