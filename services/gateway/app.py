@@ -66,6 +66,7 @@ class Gateway:
             refresh_s=settings.refresh_s,
             balance_tokens=settings.balance_tokens,
             index=index,
+            reap_s=settings.reap_s,
         )
         self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
         self.http = httpx.AsyncClient(
@@ -110,8 +111,7 @@ class Gateway:
         key: requests of different keys (or salts) never share a KV block."""
         if not self.settings.cache_salt_by_api_key or api_key is None:
             return requested
-        tenant = hashlib.sha256(api_key.encode()).hexdigest()[:32]
-        return f"key:{tenant}" if requested is None else f"key:{tenant}|{requested}"
+        return tenant_salt(api_key, requested)
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_request_bytes
@@ -222,6 +222,13 @@ class Gateway:
         for role, depth in self.router.queue_depths().items():
             self.metrics.queue.labels(role).set(depth)
             self.metrics.live.labels(role).set(len(self.router.live(role)))
+
+
+def tenant_salt(api_key: str, requested: str | None) -> str:
+    """A salt unique to an API key (and the request's own salt, if any); the key itself
+    never leaves the gateway."""
+    tenant = hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    return f"key:{tenant}" if requested is None else f"key:{tenant}|{requested}"
 
 
 class Timeline:

@@ -27,6 +27,8 @@ class GatewaySettings(BaseSettings):
     # cache-aware routing competes only among prefill instances whose queued work is
     # within this many tokens of the least loaded one (a hot prefix cannot pile up)
     balance_tokens: float = Field(default=4096.0, ge=0)
+    # how often the prompt index entries of instances no longer live are cleared
+    reap_s: float = Field(default=10.0, gt=0)
     # scope every request's cache_salt to its API key: tenants never share KV blocks
     cache_salt_by_api_key: bool = False
 

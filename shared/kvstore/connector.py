@@ -10,9 +10,11 @@ put commits once all of them are in.
 
 Decode: the prompt's blocks are loaded asynchronously (the store serves layers
 while prefill still writes them), except those the local pool already holds;
-the request computes once they are in. When a request ends, its prompt+answer
-blocks that decode computed are written to the store (``save_on_finish``), so
-the next turn of a conversation reuses them.
+the request computes once they are in. Every block decode completes is copied
+to a staging buffer at the end of its step and written to the store in the
+background (``replicate``; it lags rather than block when staging runs out),
+and when the request ends the blocks not yet written follow from its slots:
+the prompt+answer of a conversation is in the store for its next turn.
 
 A load that fails (stale index entry, evicted block, dead store node) is
 reported to the engine, which recomputes: a stale cache costs time, never
@@ -25,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+import torch
 
 from shared.engine.kv_cache_manager import Slot, cdiv
 from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
@@ -42,10 +44,10 @@ from shared.kv.layout import KVLayout
 from shared.kvstore.client import KVStoreClient, LeaseSet
 from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.kvstore.pull_cost import PullCost, PullPolicy
-from shared.kvstore.transfers import Events, Load, PutJob
+from shared.kvstore.transfer_tasks import TransferTasks, release, retrieve
+from shared.kvstore.transfers import Load, PutJob, StagingPool
 
 log = logging.getLogger(__name__)
-TRANSFER_ERRORS = (KVStoreError, TransportError, asyncio.CancelledError)
 
 
 @dataclass(eq=False)
@@ -54,7 +56,7 @@ class StorePlan:
 
     ``load_ids``: store ids of the request's leading blocks that can be loaded
     (prefill: a leased cached prefix; decode: every prompt block, the partial
-    tail included). ``put``: the prompt's blocks, written as they are computed.
+    tail included). ``put_job``: the prompt's blocks, written as they are computed.
     """
 
     load_ids: list[str] = field(default_factory=list)
@@ -62,16 +64,11 @@ class StorePlan:
     wait_s: float = 0.0
     lease: LeaseSet | None = None
     put_job: PutJob | None = None
-    save_on_finish: bool = False
+    replicate: bool = False  # decode: write every block it completes to the store
 
     @property
     def put_ids(self) -> list[str]:
         return self.put_job.ids if self.put_job is not None else []
-
-
-def _retrieve(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _plan(req: Request) -> StorePlan | None:
@@ -88,53 +85,40 @@ class KVStoreConnector(KVConnector):
         pull_policy: PullPolicy = "auto",
         put_ttl_s: float = 300.0,
         load_timeout_s: float = 180.0,
+        staging_blocks: int = 64,
     ):
         self.kv = kv
         self.metrics = metrics
         self.caching = caching
         self.pull_policy = pull_policy
         self.put_ttl_s = put_ttl_s
+        self.load_timeout_s = load_timeout_s
+        self.staging_blocks = staging_blocks
+        self.tasks = TransferTasks(kv, metrics, put_ttl_s=put_ttl_s)
         self.layout: KVLayout  # set by bind()
         self.pull: PullCost  # set by bind()
-        self.load_timeout_s = load_timeout_s
-        self._aio: asyncio.AbstractEventLoop | None = None
-        self._wake: Callable[[], None] = lambda: None
-        self._cond = threading.Condition()
-        self._events = Events()
-        self._tasks: set[asyncio.Task[None]] = set()
         # engine thread
         self._loads: dict[RequestId, Load] = {}
         self._step_loads: list[Load] = []
         self._poisoned: set[RequestId] = set()
         self._step_plan: list[tuple[PutJob, list[int], list[Slot]]] = []
-        self._writes_pending = 0  # under _cond
+        # per replicating request: its leading blocks in (or on their way to) the store
+        self._replicated: dict[RequestId, int] = {}
 
     def bind(self, pool: KVCache) -> None:
         super().bind(pool)
         self.layout = pool.layout
         self.pull = PullCost(pool.layout.bytes_per_token, self.pull_policy)
+        self.tasks.pool, self.tasks.pull = pool, self.pull
+        if self.staging_blocks:
+            self.tasks.staging = StagingPool(self.staging_blocks, pool.layout.block_bytes)
 
     def start(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
         """Run transfers on ``loop``; ``wake`` rouses the engine thread (both once)."""
-        self._aio = loop
-        self._wake = wake
+        self.tasks.start(loop, wake)
 
-    @property
-    def kv_pool(self) -> KVCache:
-        if self.pool is None:
-            raise RuntimeError("the connector is not bound to an engine's KV pool")
-        return self.pool
-
-    def _soon(self, fn: Callable[..., object], *args: object) -> None:
-        if self._aio is None:
-            raise RuntimeError("KVStoreConnector.start() was not called")
-        self._aio.call_soon_threadsafe(fn, *args)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    async def close(self) -> None:
+        await self.tasks.close()
 
     # -- planning (event loop, before the request reaches the engine) ---------------------
     async def plan_prefill(self, req: Request, *, whole_blocks: bool = False) -> StorePlan:
@@ -157,11 +141,11 @@ class KVStoreConnector(KVConnector):
                 ttl_s=self.put_ttl_s,
             )
         except BaseException:
-            await self._release_lease(plan.lease)
+            await release(plan.lease)
             raise
         needed = {i for _, wanted in put.targets.values() for i in wanted}
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committed.add_done_callback(_retrieve)  # a failure nobody awaits is not an error
+        committed.add_done_callback(retrieve)  # a failure nobody awaits is not an error
         job = PutJob(
             req.request_id,
             put,
@@ -170,24 +154,24 @@ class KVStoreConnector(KVConnector):
             whole_blocks,
             committed,
         )
-        job.writer = self._spawn(self._writer(job), f"kv-put:{req.request_id}")
+        job.writer = self.tasks.spawn(self.tasks.writer(job), f"kv-put:{req.request_id}")
         if job.complete:  # the store holds every block already
-            self._spawn(self._commit(job), f"kv-put-commit:{req.request_id}")
+            self.tasks.spawn(self.tasks.commit(job), f"kv-put-commit:{req.request_id}")
         plan.put_job = job
         return plan
 
     def plan_decode(self, store_ids: Sequence[str], wait_s: float) -> StorePlan:
         """The prompt's blocks come from the store (as prefill writes them)."""
         return StorePlan(
-            load_ids=list(store_ids), asynchronous=True, wait_s=wait_s, save_on_finish=self.caching
+            load_ids=list(store_ids), asynchronous=True, wait_s=wait_s, replicate=self.caching
         )
 
     async def abandon(self, plan: StorePlan) -> None:
         """A plan whose request never reached the engine: undo its lease and put."""
-        await self._release_lease(plan.lease)
+        await release(plan.lease)
         plan.lease = None
         if plan.put_job is not None:
-            await self._end_put(plan.put_job)
+            await self.tasks.end_put(plan.put_job)
 
     async def _lease_prefix(self, ids: list[str]) -> tuple[LeaseSet | None, list[str]]:
         """Lease the longest prefix of ``ids`` the index says the store holds. An entry
@@ -208,10 +192,6 @@ class KVStoreConnector(KVConnector):
                 log.warning("leasing a cached prefix failed; recomputing it: %s", exc)
                 return None, []
         return None, []
-
-    async def _release_lease(self, lease: LeaseSet | None) -> None:
-        if lease is not None:
-            await lease.release()
 
     # -- the connector (engine thread) ------------------------------------------------------
     def external_hit(self, request: Request, num_local_tokens: int) -> ExternalHit:
@@ -242,7 +222,7 @@ class KVStoreConnector(KVConnector):
         self._loads[request.request_id] = load
         if not load.asynchronous:
             self._step_loads.append(load)
-        self._soon(self._launch, load)
+        self.tasks.soon(self.tasks.launch, load)
 
     def wait_for_layer(self, layer: int) -> None:
         loads = self._step_loads
@@ -250,19 +230,21 @@ class KVStoreConnector(KVConnector):
             return
         deadline = time.monotonic() + self.load_timeout_s
         cancelled = False
-        with self._cond:
+        cond = self.tasks.cond
+        with cond:
             while pending := [x for x in loads if not x.done and x.layers <= layer]:
                 if not cancelled and time.monotonic() >= deadline:
                     log.warning("%d in-step KV loads stalled; cancelling them", len(pending))
                     for load in pending:
-                        self._soon(self._cancel, load)
+                        self.tasks.soon(self.tasks.cancel, load)
                     cancelled = True
-                self._cond.wait(timeout=1.0)
+                cond.wait(timeout=1.0)
             self._poisoned = {x.request_id for x in loads if x.failed}
 
     def save_layer(self, layer: int, step: SchedulerOutput) -> None:
         if layer == 0:
             self._step_plan = self._plan_step(step)
+            self._replicate(step)
         last = layer == self.layout.num_layers - 1
         for job, idxs, slots in self._step_plan:
             if job.request_id in self._poisoned:
@@ -270,9 +252,7 @@ class KVStoreConnector(KVConnector):
                 continue
             if job.whole_blocks and not last:
                 continue
-            with self._cond:
-                self._writes_pending += 1
-            self._soon(job.queue.put_nowait, (layer, idxs, slots))
+            self.tasks.dispatch(job, (layer, idxs, slots))
 
     def _plan_step(self, step: SchedulerOutput) -> list[tuple[PutJob, list[int], list[Slot]]]:
         """Per request with a put: the blocks that become final in this step (every
@@ -295,11 +275,44 @@ class KVStoreConnector(KVConnector):
                 out.append((job, idxs, [s.request.slots[i] for i in idxs]))
         return out
 
+    def _replicate(self, step: SchedulerOutput) -> None:
+        """Stage every block completed before this step by a request that replicates, and
+        write them in the background. One step late: the engine has keyed them by now,
+        and a full block of a running request never changes."""
+        staging = self.tasks.staging
+        if staging is None or self.pool is None:
+            return
+        bs = self.layout.block_size
+        ids: list[str] = []
+        staged: list[int] = []
+        for s in step.scheduled:
+            req = s.request
+            plan = _plan(req)
+            if plan is None or not plan.replicate:
+                continue
+            rid = req.request_id
+            done = self._replicated.setdefault(rid, req.num_prompt_tokens // bs)
+            full = min(req.num_computed_tokens // bs, len(req.block_keys))
+            while done < full:
+                index = staging.take()
+                if index is None:  # the store lags: these go from the slots at the end
+                    break
+                block = self.pool.block(req.slots[done])
+                staging.buffers[index].copy_(block.reshape(-1).view(torch.uint8))
+                ids.append(req.block_keys[done].hex())
+                staged.append(index)
+                done += 1
+            self._replicated[rid] = done
+        if ids:
+            self.tasks.soon(self.tasks.staged_soon, ids, staged)
+
     def end_step(self) -> frozenset[RequestId]:
         loads = self._step_loads
-        with self._cond:
-            while self._writes_pending or any(not x.done for x in loads):
-                self._cond.wait(timeout=1.0)
+        self.tasks.wait_writes()
+        cond = self.tasks.cond
+        with cond:
+            while any(not x.done for x in loads):
+                cond.wait(timeout=1.0)
         failed = frozenset(x.request_id for x in loads if x.failed)
         for load in loads:
             self._loads.pop(load.request_id, None)
@@ -307,7 +320,6 @@ class KVStoreConnector(KVConnector):
         self._poisoned = set()
         self._step_plan = []
         if failed:
-            self.metrics.stale.inc(len(failed))
             log.warning("%d in-step KV loads failed; recomputing those requests", len(failed))
         return failed
 
@@ -318,180 +330,31 @@ class KVStoreConnector(KVConnector):
         held = False
         load = self._loads.pop(request.request_id, None)
         if load is not None:
-            with self._cond:
+            with self.tasks.cond:
                 held = load.abandoned = not load.done
             if held:
-                self._soon(self._cancel, load)
+                self.tasks.soon(self.tasks.cancel, load)
         if plan.lease is not None:  # leased but never loaded
-            self._soon(self._spawn_release, plan.lease)
+            self.tasks.soon(self.tasks.release_soon, plan.lease)
             plan.lease = None
         if plan.put_job is not None:
-            self._soon(self._spawn_end_put, plan.put_job)
-        if not held and plan.save_on_finish:
-            held = self._save_computed(request)
+            self.tasks.soon(self.tasks.end_put_soon, plan.put_job)
+        replicated = self._replicated.pop(request.request_id, None)
+        if not held and plan.replicate:
+            held = self._save_computed(request, replicated)
         return held
 
     def poll(self) -> ConnectorEvents:
-        return self._events.take()
+        return self.tasks.events.take()
 
-    def _save_computed(self, req: Request) -> bool:
-        """Write the full blocks decode computed (from the prompt's tail on) to the store;
-        True while that reads the request's slots."""
+    def _save_computed(self, req: Request, replicated: int | None) -> bool:
+        """Write the full blocks decode computed and did not replicate yet (from the
+        prompt's tail on) to the store; True while that reads the request's slots."""
         bs = self.layout.block_size
-        first, full = req.num_prompt_tokens // bs, req.num_computed_tokens // bs
+        first = max(req.num_prompt_tokens // bs, replicated or 0)
+        full = req.num_computed_tokens // bs
         if full <= first or len(req.block_keys) < full:
             return False
         ids = [k.hex() for k in req.block_keys[first:full]]
-        self._soon(self._spawn_save, req.request_id, ids, req.slots[first:full])
+        self.tasks.soon(self.tasks.save_soon, req.request_id, ids, req.slots[first:full])
         return True
-
-    # -- the event loop ----------------------------------------------------------------------
-    def _launch(self, load: Load) -> None:
-        load.task = self._spawn(self._run_load(load), f"kv-load:{load.request_id}")
-
-    def _cancel(self, load: Load) -> None:
-        if load.task is not None:
-            load.task.cancel()
-
-    async def _run_load(self, load: Load) -> None:
-        started = time.perf_counter()
-        into = [self.kv_pool.block(s) for s in load.slots]
-        error: BaseException | None = None
-        try:
-            async for layer in self.kv.stream(
-                load.ids, into, num_layers=self.layout.num_layers, wait_s=load.wait_s
-            ):
-                with self._cond:
-                    load.layers = layer + 1
-                    self._cond.notify_all()
-        except TRANSFER_ERRORS as exc:
-            error = exc
-        except Exception as exc:  # a bug must not leave the engine waiting forever
-            log.exception("KV load of %s failed", load.request_id)
-            error = exc
-        finally:
-            await self._release_lease(load.lease)
-        seconds = time.perf_counter() - started
-        nbytes = len(into) * self.layout.block_bytes
-        if error is None:
-            self.metrics.observe_load(nbytes, seconds)
-            self.pull.observe_load(nbytes, seconds)
-            self.metrics.crossover.set(min(self.pull.crossover_tokens(), 1e9))
-        elif not isinstance(error, asyncio.CancelledError):
-            log.warning("KV load of %s failed: %s", load.request_id, error)
-        with self._cond:
-            load.error, load.done = error, True
-            abandoned = load.abandoned
-            self._cond.notify_all()
-        if abandoned:
-            self._events.released(load.request_id)
-        elif load.asynchronous and error is None:
-            self._events.loaded(load.request_id)
-        elif load.asynchronous:
-            self.metrics.stale.inc()
-            self._events.failed(load.request_id)
-        self._wake()
-
-    async def _writer(self, job: PutJob) -> None:
-        """Write each layer item of the job as it comes; commit once complete. An item
-        counts as done (the engine may reuse its slots) once its bytes left; the commit
-        round trip happens after that, off the engine's path."""
-        num_layers = self.layout.num_layers
-        pool = self.kv_pool.pool
-        while (item := await job.queue.get()) is not None:
-            layer, idxs, slots = item
-            try:
-                if not job.failed:
-                    ids = [job.ids[i] for i in idxs]
-                    if job.whole_blocks:
-                        await job.put.write(ids, [pool[s] for s in slots])
-                        nbytes = len(slots) * self.layout.block_bytes
-                    else:
-                        segments = [pool[s, layer] for s in slots]
-                        await job.put.write(ids, segments, layers=(layer, layer + 1))
-                        nbytes = len(slots) * self.layout.layer_bytes
-                    self.metrics.saved_bytes.inc(nbytes)
-                    if layer == num_layers - 1:
-                        job.written.update(idxs)
-            except (KVStoreError, TransportError) as exc:
-                job.failed = True
-                log.warning("KV put of %s failed: %s", job.request_id, exc)
-                self._settle_put(job, exc)
-            except Exception as exc:  # a bug must not leave the engine waiting forever
-                job.failed = True
-                log.exception("KV put of %s failed", job.request_id)
-                self._settle_put(job, exc)
-            finally:
-                with self._cond:
-                    self._writes_pending -= 1
-                    self._cond.notify_all()
-            if job.complete and not job.failed and not job.committed.done():
-                await self._commit(job)
-
-    async def _commit(self, job: PutJob) -> None:
-        try:
-            await job.put.commit()
-        except (KVStoreError, TransportError) as exc:
-            job.failed = True
-            log.warning("committing the KV put of %s failed: %s", job.request_id, exc)
-            self._settle_put(job, exc)
-            return
-        self._settle_put(job)
-
-    def _settle_put(self, job: PutJob, error: BaseException | None = None) -> None:
-        if job.committed.done():
-            return
-        if error is None:
-            job.committed.set_result(None)
-        else:
-            job.committed.set_exception(error)
-
-    def _spawn_end_put(self, job: PutJob) -> None:
-        self._spawn(self._end_put(job), f"kv-put-end:{job.request_id}")
-
-    async def _end_put(self, job: PutJob) -> None:
-        """Stop the writer once it drained; revoke the put unless it committed."""
-        job.queue.put_nowait(None)
-        if job.writer is not None:
-            await asyncio.gather(job.writer, return_exceptions=True)
-        if not (job.committed.done() and job.committed.exception() is None):
-            self._settle_put(job, KVStoreError("the request ended before its KV was stored"))
-            try:
-                await job.put.revoke()
-            except (KVStoreError, TransportError) as exc:  # the reservation's TTL frees it
-                log.warning("revoking the KV put of %s failed: %s", job.request_id, exc)
-
-    def _spawn_release(self, lease: LeaseSet) -> None:
-        self._spawn(lease.release(), "kv-lease-release")
-
-    def _spawn_save(self, rid: RequestId, ids: list[str], slots: list[Slot]) -> None:
-        self._spawn(self._save(rid, ids, slots), f"kv-save:{rid}")
-
-    async def _save(self, rid: RequestId, ids: list[str], slots: list[Slot]) -> None:
-        """Prompt+answer caching: whole blocks, two-phase, only those the store lacks."""
-        pool = self.kv_pool
-        try:
-            put = await self.kv.begin_put(
-                ids,
-                [self.layout.block_bytes] * len(ids),
-                num_layers=self.layout.num_layers,
-                ttl_s=self.put_ttl_s,
-            )
-            try:
-                await put.write(ids, [pool.block(s) for s in slots])
-                await put.commit()
-            except BaseException:
-                await put.revoke()
-                raise
-            self.metrics.saved_bytes.inc(len(ids) * self.layout.block_bytes)
-        except (KVStoreError, TransportError) as exc:
-            log.warning("caching the answer blocks of %s failed: %s", rid, exc)
-        finally:
-            self._events.released(rid)
-            self._wake()
-
-    async def close(self) -> None:
-        """Cancel whatever still runs (service shutdown)."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -11,8 +11,11 @@ without a bound.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from dataclasses import dataclass, field
+
+import torch
 
 from shared.engine.kv_cache_manager import Slot
 from shared.engine.kv_connector import ConnectorEvents
@@ -106,3 +109,25 @@ class Events:
             self._failed.clear()
             self._released.clear()
         return events
+
+
+class StagingPool:
+    """Preallocated block-sized host buffers: a completed block is copied into one on the
+    engine thread (tens of microseconds) and written from there on the event loop, so
+    the write never holds the block's slot. Taken on the engine thread, given back from
+    any thread; when none is free, the caller skips (replication lags, never blocks)."""
+
+    def __init__(self, count: int, block_bytes: int):
+        self.buffers = torch.zeros((count, block_bytes), dtype=torch.uint8)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(i)
+
+    def take(self) -> int | None:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def give(self, index: int) -> None:
+        self._free.put(index)

@@ -67,6 +67,8 @@ def start_cluster(
     decode: int,
     colocated: int = 0,
     kv_cache_gb: float = 0.25,
+    kvstore: int = 1,
+    kvstore_gb: float = 0.25,
     **env: str,
 ) -> LocalCluster:
     def topology(redis_url: str) -> Topology:
@@ -75,13 +77,13 @@ def start_cluster(
             prefill=prefill,
             decode=decode,
             colocated=colocated,
-            kvstore=0 if colocated else 1,
+            kvstore=0 if colocated else kvstore,
             gateway_port=free_port(),
             ports=free_ports,
             transport="ucx",
             threads=1,
             kv_cache_gb=kv_cache_gb,
-            kvstore_gb=0.25,
+            kvstore_gb=kvstore_gb,
             extra_env={**FAST_HEARTBEAT, **env},
         )
 

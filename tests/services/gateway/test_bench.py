@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.services.conftest import Cluster
 
@@ -44,7 +45,7 @@ def test_bench_writes_results_and_plot(cluster: Cluster, tmp_path: Path) -> None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def run_bench(cluster: Cluster, out: Path, *args: str) -> dict[str, object]:
+def run_bench(cluster: Cluster, out: Path, *args: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     proc = subprocess.run(
         [sys.executable, "-m", "shared.cli", "bench", "--url", cluster.url, "--out", str(out),
@@ -52,7 +53,7 @@ def run_bench(cluster: Cluster, out: Path, *args: str) -> dict[str, object]:
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    body: dict[str, object] = json.loads(out.read_text())
+    body: dict[str, Any] = json.loads(out.read_text())
     return body
 
 
@@ -62,10 +63,10 @@ def test_multi_turn_bench_reports_reuse_and_ttft_by_turn(cluster: Cluster, tmp_p
         "--turns", "3", "--input-len", "80", "--user-len", "20", "--output-len", "20",
         "--think-time", "0.05", "--seed", "5",
     )  # fmt: skip
-    (run,) = body["runs"]  # type: ignore[index]
+    (run,) = body["runs"]
     cache = run["summary"]["cache"]
     assert set(cache["ttft_by_turn"]) == {"0", "1", "2"}
-    by_turn: dict[int, list[dict[str, object]]] = {}
+    by_turn: dict[int, list[dict[str, Any]]] = {}
     for r in run["requests"]:
         by_turn.setdefault(r["turn"], []).append(r)
     # a later turn reuses the whole earlier prompt and the answer decode computed
@@ -81,7 +82,7 @@ def test_prefix_trace_bench_reads_reuse_against_the_oracle(
         cluster, tmp_path / "pt.json", "--workload", "prefix-trace", "--num-prompts", "8",
         "--trace-block-size", "32", "--request-rate", "2", "--max-output", "4", "--seed", "2",
     )  # fmt: skip
-    (run,) = body["runs"]  # type: ignore[index]
+    (run,) = body["runs"]
     cache = run["summary"]["cache"]
     assert cache["oracle_hit_rate"] > 0 and cache["hit_rate"] > 0
     assert all(r["oracle_cached"] is not None for r in run["requests"])

@@ -1,9 +1,11 @@
-"""Routing logic (pure): JSQ on prompt tokens, least-loaded decode, benching, 503."""
+"""Routing logic (pure): cost in prompt tokens (queued work + what is not cached) within
+a balance bound, least-loaded decode, benching, 503; reading index rows into hits."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.gateway.prefix_locator import PrefixHits, hits_from_holders
 from services.gateway.router import Router
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Member
@@ -48,3 +50,48 @@ def test_only_matching_kv_layouts_and_no_instance_is_503() -> None:
     with pytest.raises(ServiceError) as err:
         r.pick("decode", 1)
     assert err.value.status == 503 and "decode" in str(err.value)
+
+
+def test_prefill_goes_where_the_prompt_is_cached_unless_that_queue_is_far_longer() -> None:
+    r = router(prefill=[member("prefill", "a", pending_tokens=300), member("prefill", "b")])
+    hot = PrefixHits(local={"a": 960})
+    pick = r.pick("prefill", 1000, hits=hot)
+    # a: 300 queued + 40 to compute; b: 0 queued + 1000 to compute
+    assert pick.member.instance_id == "a" and pick.predicted_cached == 960
+    assert pick.cost == 40  # only the uncached work counts as queued there
+    pick.done()
+    r.members["prefill"][0] = member("prefill", "a", pending_tokens=5000)
+    far = r.pick("prefill", 1000, hits=hot)  # beyond the balance bound (4096 tokens)
+    assert far.member.instance_id == "b" and far.predicted_cached == 0
+
+
+def test_store_hits_make_every_prefill_instance_cheap() -> None:
+    r = router(prefill=[member("prefill", "a", pending_tokens=50), member("prefill", "b")])
+    hits = PrefixHits(local={"a": 960}, store=960)
+    pick = r.pick("prefill", 1000, hits=hits)
+    # both reuse 960 tokens; b pulls them (a small charge) but its queue is empty
+    assert pick.member.instance_id == "b" and pick.predicted_cached == 960
+
+
+def test_prediction_never_covers_the_last_prompt_token() -> None:
+    r = router(prefill=[member("prefill", "a")])
+    assert r.pick("prefill", 64, hits=PrefixHits(store=64)).predicted_cached == 63
+
+
+def test_decode_ties_go_to_the_instance_holding_the_conversation() -> None:
+    r = router(decode=[member("decode", "x", running=1), member("decode", "y", running=1)])
+    assert r.pick("decode", 1, hits=PrefixHits(local={"y": 320})).member.instance_id == "y"
+
+
+def test_hits_from_holders_count_live_prefixes_per_worker_and_across_stores() -> None:
+    live = {"s1": "kvstore", "s2": "kvstore", "p1": "prefill", "d1": "decode"}
+    rows = [
+        {"s1", "p1", "d1"},
+        {"s2", "p1", "gone"},  # the store's blocks sit on different nodes
+        {"s1", "d1"},
+        {"gone"},  # held only by a dead instance: not a hit
+    ]
+    hits = hits_from_holders(rows, live, block_size=16)
+    assert hits.store == 48
+    assert hits.local == {"p1": 32, "d1": 16}
+    assert hits.cached("p1") == 48 and hits.cached("x") == 48

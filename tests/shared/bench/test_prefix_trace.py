@@ -39,7 +39,7 @@ def test_equal_ids_give_equal_tokens_and_the_oracle_counts_chained_prefixes() ->
         row(30, (1, 2, 3), length=12),  # the whole prompt was seen: the last token is computed
     ]
     specs = pt.replay(rows, n=4, block_tokens=4, cache_block=4, time_scale=10.0)
-    a, b, c, d = specs
+    a, b, c, _ = specs
     assert a.prompt[:8] == b.prompt[:8] and a.prompt[8:] != b.prompt[8:]
     assert c.prompt[4:8] == a.prompt[4:8]  # the same id, the same tokens
     assert [s.oracle_cached for s in specs] == [0, 8, 0, 8]
@@ -65,7 +65,7 @@ def test_lengths_are_clamped_and_filled() -> None:
 def test_malformed_traces_are_refused(tmp_path: Path, line: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
-    with pytest.raises(TraceFormatError, match="bad.jsonl"):
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl"):
         pt.load(path)
 
 

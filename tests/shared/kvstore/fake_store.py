@@ -131,6 +131,14 @@ class FakeKVStoreClient:
         targets = {self.node.instance_id: (self.node, mine)}
         return PutHandle(num_layers, dict(zip(ids, sizes, strict=True)), targets)  # type: ignore[arg-type]
 
+    async def put(self, ids: Sequence[str], blocks: Sequence[Buffer], *, num_layers: int) -> None:
+        """Whole blocks, reserved, written and committed at once (held ones skipped)."""
+        handle = await self.begin_put(
+            ids, [as_bytes_view(b).nbytes for b in blocks], num_layers=num_layers
+        )
+        await handle.write(ids, blocks)
+        await handle.commit()
+
     async def stream(
         self, ids: Sequence[str], into: Sequence[Buffer], *, num_layers: int, wait_s: float
     ) -> AsyncIterator[int]:

@@ -1,0 +1,265 @@
+"""The event-loop half of the KV-store connector: the tasks that move KV bytes.
+
+Loads stream blocks from the store into pool slots; put writers send a
+prompt's layers into its two-phase put and commit it; saves write whole blocks
+(from a finished request's slots, or from staging copies). Each tells the
+engine thread how far it got under :attr:`TransferTasks.cond` (loads: layers
+landed; writers: items still reading the pool) and reports finished transfers
+through :attr:`TransferTasks.events`, waking the engine thread. Everything here
+runs on the event loop except the methods marked thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from shared.engine.kv_cache_manager import Slot
+from shared.engine.request import RequestId
+from shared.errors import KVStoreError, TransportError
+from shared.kv.kv_cache import KVCache
+from shared.kvstore.client import KVStoreClient, LeaseSet
+from shared.kvstore.connector_metrics import ConnectorMetrics
+from shared.kvstore.pull_cost import PullCost
+from shared.kvstore.transfers import Events, LayerItem, Load, PutJob, StagingPool
+
+log = logging.getLogger(__name__)
+TRANSFER_ERRORS = (KVStoreError, TransportError, asyncio.CancelledError)
+
+
+def retrieve(fut: asyncio.Future[None]) -> None:
+    """Mark a future's failure as seen (nobody may await a put's outcome)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+class TransferTasks:
+    def __init__(self, kv: KVStoreClient, metrics: ConnectorMetrics, *, put_ttl_s: float):
+        self.kv = kv
+        self.metrics = metrics
+        self.put_ttl_s = put_ttl_s
+        self.cond = threading.Condition()
+        self.events = Events()
+        self.writes_pending = 0  # layer items dispatched and not yet sent (under cond)
+        self.pool: KVCache | None = None
+        self.pull: PullCost | None = None
+        self.staging: StagingPool | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._wake: Callable[[], None] = lambda: None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
+        self._aio = loop
+        self._wake = wake
+
+    def _pool(self) -> KVCache:
+        if self.pool is None:
+            raise RuntimeError("the connector is not bound to an engine's KV pool")
+        return self.pool
+
+    # -- scheduling work from the engine thread (thread-safe) ------------------------------
+    def soon(self, fn: Callable[..., object], *args: object) -> None:
+        if self._aio is None:
+            raise RuntimeError("the connector's transfers were not started")
+        self._aio.call_soon_threadsafe(fn, *args)
+
+    def dispatch(self, job: PutJob, item: LayerItem) -> None:
+        """Hand a layer item to the job's writer; it reads the pool until sent."""
+        with self.cond:
+            self.writes_pending += 1
+        self.soon(job.queue.put_nowait, item)
+
+    def wait_writes(self) -> None:
+        with self.cond:
+            while self.writes_pending:
+                self.cond.wait(timeout=1.0)
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- loads ---------------------------------------------------------------------------------
+    def launch(self, load: Load) -> None:
+        load.task = self.spawn(self._load(load), f"kv-load:{load.request_id}")
+
+    def cancel(self, load: Load) -> None:
+        if load.task is not None:
+            load.task.cancel()
+
+    async def _load(self, load: Load) -> None:
+        pool = self._pool()
+        layout = pool.layout
+        started = time.perf_counter()
+        into = [pool.block(s) for s in load.slots]
+        error: BaseException | None = None
+        try:
+            async for layer in self.kv.stream(
+                load.ids, into, num_layers=layout.num_layers, wait_s=load.wait_s
+            ):
+                with self.cond:
+                    load.layers = layer + 1
+                    self.cond.notify_all()
+        except TRANSFER_ERRORS as exc:
+            error = exc
+        except Exception as exc:  # a bug must not leave the engine waiting forever
+            log.exception("KV load of %s failed", load.request_id)
+            error = exc
+        finally:
+            await release(load.lease)
+        self._observe_load(load, len(into) * layout.block_bytes, started, error)
+        with self.cond:
+            load.error, load.done = error, True
+            abandoned = load.abandoned
+            self.cond.notify_all()
+        if abandoned:
+            self.events.released(load.request_id)
+        elif load.asynchronous and error is None:
+            self.events.loaded(load.request_id)
+        elif load.asynchronous:
+            self.events.failed(load.request_id)
+        self._wake()
+
+    def _observe_load(
+        self, load: Load, nbytes: int, started: float, error: BaseException | None
+    ) -> None:
+        if error is None:
+            seconds = time.perf_counter() - started
+            self.metrics.observe_load(nbytes, seconds)
+            if self.pull is not None:
+                self.pull.observe_load(nbytes, seconds)
+                self.metrics.crossover.set(min(self.pull.crossover_tokens(), 1e9))
+        elif not isinstance(error, asyncio.CancelledError):
+            self.metrics.stale.inc()
+            log.warning("KV load of %s failed: %s", load.request_id, error)
+
+    # -- puts ------------------------------------------------------------------------------------
+    async def writer(self, job: PutJob) -> None:
+        """Write each layer item of the job as it comes; commit once complete. An item
+        counts as done (the engine may reuse its slots) once its bytes left; the commit
+        round trip happens after that, off the engine's path."""
+        pool = self._pool()
+        layout = pool.layout
+        while (item := await job.queue.get()) is not None:
+            layer, idxs, slots = item
+            try:
+                if not job.failed:
+                    ids = [job.ids[i] for i in idxs]
+                    if job.whole_blocks:
+                        await job.put.write(ids, [pool.pool[s] for s in slots])
+                        nbytes = len(slots) * layout.block_bytes
+                    else:
+                        segments = [pool.pool[s, layer] for s in slots]
+                        await job.put.write(ids, segments, layers=(layer, layer + 1))
+                        nbytes = len(slots) * layout.layer_bytes
+                    self.metrics.saved_bytes.inc(nbytes)
+                    if layer == layout.num_layers - 1:
+                        job.written.update(idxs)
+            except (KVStoreError, TransportError) as exc:
+                log.warning("KV put of %s failed: %s", job.request_id, exc)
+                self._fail(job, exc)
+            except Exception as exc:  # a bug must not leave the engine waiting forever
+                log.exception("KV put of %s failed", job.request_id)
+                self._fail(job, exc)
+            finally:
+                with self.cond:
+                    self.writes_pending -= 1
+                    self.cond.notify_all()
+            if job.complete and not job.failed and not job.committed.done():
+                await self.commit(job)
+
+    async def commit(self, job: PutJob) -> None:
+        try:
+            await job.put.commit()
+        except (KVStoreError, TransportError) as exc:
+            log.warning("committing the KV put of %s failed: %s", job.request_id, exc)
+            self._fail(job, exc)
+            return
+        if not job.committed.done():
+            job.committed.set_result(None)
+
+    def _fail(self, job: PutJob, error: BaseException) -> None:
+        job.failed = True
+        if not job.committed.done():
+            job.committed.set_exception(error)
+
+    def end_put_soon(self, job: PutJob) -> None:
+        self.spawn(self.end_put(job), f"kv-put-end:{job.request_id}")
+
+    async def end_put(self, job: PutJob) -> None:
+        """Stop the writer once it drained; revoke the put unless it committed."""
+        job.queue.put_nowait(None)
+        if job.writer is not None:
+            await asyncio.gather(job.writer, return_exceptions=True)
+        if job.committed.done() and job.committed.exception() is None:
+            return
+        self._fail(job, KVStoreError("the request ended before its KV was stored"))
+        try:
+            await job.put.revoke()
+        except (KVStoreError, TransportError) as exc:  # the reservation's TTL frees it
+            log.warning("revoking the KV put of %s failed: %s", job.request_id, exc)
+
+    # -- saves ----------------------------------------------------------------------------------
+    def release_soon(self, lease: LeaseSet) -> None:
+        self.spawn(release(lease), "kv-lease-release")
+
+    def save_soon(self, rid: RequestId, ids: list[str], slots: list[Slot]) -> None:
+        self.spawn(self._save(rid, ids, slots), f"kv-save:{rid}")
+
+    async def _save(self, rid: RequestId, ids: list[str], slots: list[Slot]) -> None:
+        """A finished request's blocks, whole, from its slots (held until this ends);
+        two-phase, so only blocks the store lacks cross the wire."""
+        pool = self._pool()
+        try:
+            put = await self.kv.begin_put(
+                ids,
+                [pool.layout.block_bytes] * len(ids),
+                num_layers=pool.layout.num_layers,
+                ttl_s=self.put_ttl_s,
+            )
+            try:
+                await put.write(ids, [pool.block(s) for s in slots])
+                await put.commit()
+            except BaseException:
+                await put.revoke()
+                raise
+            self.metrics.saved_bytes.inc(len(ids) * pool.layout.block_bytes)
+        except (KVStoreError, TransportError) as exc:
+            log.warning("saving the blocks of %s failed: %s", rid, exc)
+        finally:
+            self.events.released(rid)
+            self._wake()
+
+    def staged_soon(self, ids: list[str], staged: list[int]) -> None:
+        self.spawn(self._write_staged(ids, staged), "kv-replicate")
+
+    async def _write_staged(self, ids: list[str], staged: list[int]) -> None:
+        """Staged copies of blocks, whole, in one round trip per store node."""
+        staging, layout = self.staging, self._pool().layout
+        if staging is None:
+            return
+        try:
+            buffers = [staging.buffers[i] for i in staged]
+            await self.kv.put(ids, buffers, num_layers=layout.num_layers)
+            self.metrics.saved_bytes.inc(len(ids) * layout.block_bytes)
+        except (KVStoreError, TransportError) as exc:
+            log.warning("replicating %d blocks failed: %s", len(ids), exc)
+        finally:
+            for index in staged:
+                staging.give(index)
+
+    async def close(self) -> None:
+        """Cancel whatever still runs (service shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def release(lease: LeaseSet | None) -> None:
+    if lease is not None:
+        await lease.release()
