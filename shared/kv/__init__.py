@@ -1,1 +1,2 @@
-"""KV cache: block layout, content-hash block ids, the block pool and the paged tensor pool."""
+"""KV cache: the block layout, content-hash block keys and the paged tensor pool (its
+positions are slots; the engine's KV cache manager decides who holds which)."""

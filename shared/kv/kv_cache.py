@@ -1,7 +1,7 @@
 """The paged KV tensor pool: ``num_blocks`` blocks laid out as :mod:`shared.kv.layout` says.
 
-Ownership: the pool belongs to one model runner; which request owns which
-block is the :class:`~shared.kv.block_pool.BlockPool`'s business. The memory
+Ownership: the pool belongs to one model runner; which request holds which
+slot is the :class:`~shared.engine.kv_cache_manager.KVCacheManager`'s business. The memory
 is allocated once at start-up and never grows.
 """
 
@@ -107,6 +107,6 @@ class KVCache:
         """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``idx``'s K and V."""
         return self.pool[:, idx, 0], self.pool[:, idx, 1]
 
-    def block(self, block_id: int) -> torch.Tensor:
-        """One block as its contiguous ``block_shape`` tensor (a view, not a copy)."""
-        return self.pool[block_id]
+    def block(self, slot: int) -> torch.Tensor:
+        """The block in ``slot`` as its contiguous ``block_shape`` tensor (a view)."""
+        return self.pool[slot]

@@ -69,7 +69,7 @@ class KVLayout:
         return self.block_bytes // self.block_size
 
     def describe(self) -> str:
-        """Stable text naming this layout; part of every block id's extra keys."""
+        """Stable text naming this layout; part of every block key's extra keys."""
         return (
             f"v{LAYOUT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
             f":B{self.block_size}:{self.dtype}"

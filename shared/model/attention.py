@@ -81,7 +81,7 @@ class PrefillSegment:
 
     start: int
     end: int
-    block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] slots
     context_len: int
 
     @property
@@ -104,12 +104,12 @@ class BlockRun:
     """Rows ``[row, row + len(blocks) * block_size)`` fill the whole blocks ``blocks``."""
 
     row: int
-    blocks: torch.Tensor  # [n] block ids, int64
+    blocks: torch.Tensor  # [n] slots, int64
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [num_decodes] block receiving each decode row's K/V
+    slot_blocks: torch.Tensor  # [num_decodes] slot receiving each decode row's K/V
     slot_offsets: torch.Tensor  # [num_decodes] offset inside that block
     slot_runs: tuple[SlotRun, ...]  # prefill rows filling part of a block: one slice copy each
     num_decodes: int

@@ -22,7 +22,7 @@ from shared.model.weights import load_state_dict
 @dataclass(frozen=True)
 class LoadedModel:
     name: str
-    identity: str  # stable id of the weights; part of every KV block id
+    identity: str  # stable id of the weights; part of every KV block key
     folder: Path
     arch: LlamaArch
     model: LlamaModel

@@ -1,0 +1,336 @@
+"""Context caching measured on the real cluster (2 prefill + 2 decode + a KV store node
++ the gateway, 1 torch thread per worker), caching on next to caching off
+(``BATON_ENABLE_PREFIX_CACHING=false``, what ``baton up --no-prefix-cache`` sets).
+Rounds alternate on/off so the noisy VM hits both alike; ratios are per round.
+
+- ``multi-turn``: conversations of ``--turns`` turns (first prompt
+  ``--history`` tokens, each later turn adds the answer and ``--user-len`` new
+  tokens, after an exponential think time); TTFT by turn, on over off.
+- ``no-reuse``: unique prompts only, so caching can only cost: TTFT and output
+  throughput, on over off.
+- ``trace``: a synthetic prefix-hash trace (shared system prompts, growing
+  sessions; :mod:`shared.bench.prefix_trace`), store larger than its working
+  set: reused tokens against the infinite-cache oracle, the router's predicted
+  cached tokens against those actually reused, and how evenly the prefill
+  instances shared the work (tokens each computed, max over mean).
+- ``crossover``: pull or recompute a cached prefix of P tokens: the prefill
+  compute time of P cached + 16 new tokens on a prefill instance that holds
+  nothing locally, with ``BATON_PREFILL_PULL_POLICY=always`` and ``never``.
+
+    python -m benchmarks.caching_bench multi-turn --rounds 2
+    python -m benchmarks.caching_bench no-reuse --rounds 2
+    python -m benchmarks.caching_bench trace
+    python -m benchmarks.caching_bench crossover
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks.results import save_json
+from shared.bench import prefix_trace
+from shared.bench import workload as wl
+from shared.bench.metrics import RequestResult, summarize
+from shared.bench.report import RunReport, text_summary
+from shared.bench.runner import Target, run_conversations, run_open_loop
+from shared.launcher import LocalCluster, Topology
+from shared.procs import free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@contextmanager
+def cluster(
+    caching: bool, *, prefill: int = 2, decode: int = 2, kvstore_gb: float = 2.0, **env: str
+) -> Iterator[LocalCluster]:
+    def topology(redis_url: str) -> Topology:
+        return Topology(
+            redis_url=redis_url,
+            prefill=prefill,
+            decode=decode,
+            gateway_port=free_port(),
+            ports=lambda role, i: free_port(),
+            transport="ucx",
+            threads=1,
+            kv_cache_gb=1.0,
+            kvstore_gb=kvstore_gb,
+            prefix_caching=caching,
+            extra_env={"BATON_LOG_LEVEL": "warning", **env},
+        )
+
+    with tempfile.TemporaryDirectory(prefix="baton-caching-") as logs:
+        local = LocalCluster(topology, log_dir=Path(logs)).start()
+        try:
+            yield local
+        finally:
+            local.stop()
+
+
+def urls(local: LocalCluster, role: str) -> list[str]:
+    return [f"http://127.0.0.1:{s.http_port}" for s in local.specs if s.role == role]
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    key = name + (f"{{{labels}}}" if labels else "")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == key)
+
+
+def run(
+    local: LocalCluster, fn: Callable[..., Any], *args: Any
+) -> tuple[list[RequestResult], float]:
+    target = Target(local.gateway_url, MODEL)
+    return asyncio.run(fn(target, *args))
+
+
+def on_off_rounds(rounds: int) -> list[bool]:
+    return [caching for _ in range(rounds) for caching in (True, False)]
+
+
+# -- multi-turn ------------------------------------------------------------------------------
+def multi_turn(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.conversations
+    times = [i * args.stagger for i in range(n)]
+    specs = wl.multi_turn(
+        n, args.turns, args.history, args.user_len, args.output_len, times, args.seed,
+        think_s=args.think,
+    )  # fmt: skip
+    rounds: list[dict[str, Any]] = []
+    for caching in on_off_rounds(args.rounds):
+        with cluster(caching) as local:
+            results, duration = run(local, run_conversations, specs, lambda: None, args.seed)
+        summary = summarize(results, duration)
+        print(
+            text_summary(
+                RunReport(
+                    f"multi-turn caching={'on' if caching else 'off'}", None, summary, results
+                )
+            )
+        )
+        by_turn = {
+            t: [r.ttft for r in results if r.turn == t and r.ttft is not None]
+            for t in range(args.turns)
+        }
+        rounds.append(
+            {
+                "caching": caching,
+                "ttft_by_turn": {t: _stats(v) for t, v in by_turn.items()},
+                "late_turns_ttft": _stats([x for t, v in by_turn.items() if t >= 2 for x in v]),
+                "hit_rate": summary.cache.hit_rate if summary.cache else None,
+                "failed": summary.failed,
+            }
+        )
+    ratios = [
+        on["late_turns_ttft"]["mean"] / off["late_turns_ttft"]["mean"]
+        for on, off in zip(rounds[::2], rounds[1::2], strict=True)
+    ]
+    medians = [
+        on["late_turns_ttft"]["median"] / off["late_turns_ttft"]["median"]
+        for on, off in zip(rounds[::2], rounds[1::2], strict=True)
+    ]
+    print(f"TTFT at turns >= 3, caching on / off: mean {_fmt(ratios)}, median {_fmt(medians)}")
+    return {
+        "rounds": rounds,
+        "late_turn_ttft_ratio_mean": ratios,
+        "late_turn_ttft_ratio_median": medians,
+    }
+
+
+# -- no reuse ----------------------------------------------------------------------------------
+def no_reuse(args: argparse.Namespace) -> dict[str, Any]:
+    rng = np.random.default_rng(args.seed)
+    times = wl.arrivals(args.num_prompts, args.rate, float("inf"), rng)
+    rounds: list[dict[str, Any]] = []
+    for k, caching in enumerate(on_off_rounds(args.rounds)):
+        # unique prompts in every round: nothing is reusable, on or off
+        specs = wl.synthetic(
+            args.num_prompts, args.input_len, args.output_len, times, args.seed + k // 2 * 1000 + 7
+        )
+        with cluster(caching) as local:
+            results, duration = run(local, run_open_loop, specs, lambda: None, None)
+        s = summarize(results, duration)
+        print(
+            text_summary(
+                RunReport(f"no-reuse caching={'on' if caching else 'off'}", args.rate, s, results)
+            )
+        )
+        rounds.append(
+            {
+                "caching": caching,
+                "ttft_mean": s.ttft.mean,
+                "ttft_median": s.ttft.median,
+                "tpot_median": s.tpot.median,
+                "output_throughput": s.output_throughput,
+                "failed": s.failed,
+            }
+        )
+    pairs = list(zip(rounds[::2], rounds[1::2], strict=True))
+    ttft_mean = [a["ttft_mean"] / b["ttft_mean"] for a, b in pairs]
+    ttft_median = [a["ttft_median"] / b["ttft_median"] for a, b in pairs]
+    throughput = [a["output_throughput"] / b["output_throughput"] for a, b in pairs]
+    print(
+        f"no reuse, caching on / off: TTFT mean {_fmt(ttft_mean)}, median "
+        f"{_fmt(ttft_median)}; output throughput {_fmt(throughput)}"
+    )
+    return {
+        "rounds": rounds,
+        "ttft_mean_ratio": ttft_mean,
+        "ttft_median_ratio": ttft_median,
+        "throughput_ratio": throughput,
+    }
+
+
+# -- trace replay -------------------------------------------------------------------------------
+def trace(args: argparse.Namespace) -> dict[str, Any]:
+    rows = prefix_trace.synthesize(
+        args.num_prompts, block_tokens=args.trace_block, rate=args.rate, seed=args.seed
+    )
+    specs = prefix_trace.replay(
+        rows,
+        n=args.num_prompts,
+        block_tokens=args.trace_block,
+        max_input=args.max_input,
+        max_output=args.output_len,
+    )
+    working_set = len({r.hash_ids[: k + 1] for r in rows for k in range(len(r.hash_ids))})
+    with cluster(True, kvstore_gb=args.store_gb) as local:
+        gw = local.gateway_url
+        before = {
+            o: metric(gw, "baton_router_predictions_total", f'outcome="{o}"')
+            for o in ("exact", "over", "under")
+        }
+        results, duration = run(local, run_open_loop, specs, lambda: None, None)
+        after = {
+            o: metric(gw, "baton_router_predictions_total", f'outcome="{o}"')
+            for o in ("exact", "over", "under")
+        }
+        work = [metric(u, "baton_engine_step_tokens_total") for u in urls(local, "prefill")]
+        evictions = sum(metric(u, "baton_kvstore_evictions_total") for u in urls(local, "kvstore"))
+    s = summarize(results, duration)
+    print(text_summary(RunReport("prefix trace", args.rate, s, results)))
+    predictions = {o: after[o] - before[o] for o in after}
+    total = sum(predictions.values()) or 1.0
+    out = {
+        "requests": len(specs),
+        "working_set_blocks": working_set,
+        "store_evictions": evictions,
+        "hit_rate": s.cache.hit_rate if s.cache else None,
+        "oracle_hit_rate": s.cache.oracle_hit_rate if s.cache else None,
+        "of_oracle": s.cache.of_oracle if s.cache else None,
+        "predictions": predictions,
+        "prediction_exact_share": predictions["exact"] / total,
+        "prefill_tokens_computed": work,
+        "prefill_work_max_over_mean": max(work) / statistics.mean(work)
+        if work and statistics.mean(work)
+        else None,
+        "failed": s.failed,
+        "ttft_median": s.ttft.median,
+    }
+    print(json.dumps({k: v for k, v in out.items()}, indent=1))
+    return out
+
+
+# -- pull or recompute ----------------------------------------------------------------------------
+def crossover(args: argparse.Namespace) -> dict[str, Any]:
+    lengths = [int(x) for x in args.prefixes.split(",")]
+    out: dict[str, Any] = {"prefix_tokens": lengths, "new_tokens": 16}
+    for policy in ("always", "never"):
+        with cluster(True, decode=1, BATON_PREFILL_PULL_POLICY=policy) as local:
+            warm_url, cold_url = urls(local, "prefill")
+            times: dict[int, list[float]] = {p: [] for p in lengths}
+            for rep in range(args.repeats):
+                for p in lengths:
+                    rng = random.Random(f"{args.seed}:{rep}:{p}")
+                    prefix = [rng.randrange(1000, 30000) for _ in range(p)]
+                    prompt = prefix + [rng.randrange(1000, 30000) for _ in range(16)]
+                    _prefill(warm_url, f"warm-{rep}-{p}", [*prefix, 7])
+                    times[p].append(_prefill(cold_url, f"cold-{rep}-{p}-{policy}", prompt))
+        out[policy] = {p: statistics.median(v) for p, v in times.items()}
+        print(policy, {p: f"{v * 1e3:.1f} ms" for p, v in out[policy].items()})
+    winners = [p for p in lengths if out["always"][p] < out["never"][p]]
+    out["crossover_tokens"] = min(winners) if winners else None
+    print(f"pulling beats recomputing from {out['crossover_tokens']} cached tokens on")
+    return out
+
+
+def _prefill(url: str, rid: str, prompt: list[int]) -> float:
+    """Prefill compute time (first layer to first token) as the instance reports it."""
+    body = {
+        "request_id": rid,
+        "prompt_token_ids": prompt,
+        "sampling": {"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "seed": 1},
+    }
+    compute = None
+    with httpx.stream("POST", url + "/v1/prefill", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            event = json.loads(line)
+            if event["event"] == "first_token":
+                compute = float(event["queue_s"]) + float(event["compute_s"])
+    if compute is None:
+        raise RuntimeError(f"prefill {rid} gave no first token")
+    return compute
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"count": 0, "mean": float("nan"), "median": float("nan")}
+    return {
+        "count": len(values),
+        "mean": statistics.mean(values),
+        "median": statistics.median(values),
+    }
+
+
+def _fmt(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("experiment", choices=["multi-turn", "no-reuse", "trace", "crossover"])
+    ap.add_argument("--rounds", type=int, default=1, help="on/off pairs, alternated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--history", type=int, default=1000, help="first prompt's tokens")
+    ap.add_argument("--user-len", type=int, default=100)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--think", type=float, default=2.0, help="mean think time (s)")
+    ap.add_argument("--stagger", type=float, default=1.5, help="conversation start gap (s)")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--rate", type=float, default=0.5, help="requests/s (no-reuse, trace)")
+    ap.add_argument("--trace-block", type=int, default=64)
+    ap.add_argument("--max-input", type=int, default=2048)
+    ap.add_argument("--store-gb", type=float, default=2.0)
+    ap.add_argument("--prefixes", default="16,32,64,128,256,512,1024")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    run_experiment = {
+        "multi-turn": multi_turn,
+        "no-reuse": no_reuse,
+        "trace": trace,
+        "crossover": crossover,
+    }[args.experiment]
+    result = run_experiment(args)
+    out = args.out or Path(f"bench-results/caching-{args.experiment}.json")
+    save_json(out, {"args": vars(args) | {"out": str(out)}, "result": result})
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
