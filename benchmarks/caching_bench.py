@@ -6,8 +6,9 @@ Rounds alternate on/off so the noisy VM hits both alike; ratios are per round.
 - ``multi-turn``: conversations of ``--turns`` turns (first prompt
   ``--history`` tokens, each later turn adds the answer and ``--user-len`` new
   tokens, after an exponential think time); TTFT by turn, on over off.
-- ``no-reuse``: unique prompts only, so caching can only cost: TTFT and output
-  throughput, on over off.
+- ``no-reuse``: unique prompts only, so caching can only cost: TTFT and TPOT at
+  a paced rate, and output throughput with ``--burst`` prompts at once (the
+  capacity), on over off, per round and pooled over rounds.
 - ``trace``: a synthetic prefix-hash trace (shared system prompts, growing
   sessions; :mod:`shared.bench.prefix_trace`), store larger than its working
   set: reused tokens against the infinite-cache oracle, the router's predicted
@@ -37,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from benchmarks.results import save_json
 from shared.bench import prefix_trace
@@ -150,45 +150,71 @@ def multi_turn(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- no reuse ----------------------------------------------------------------------------------
 def no_reuse(args: argparse.Namespace) -> dict[str, Any]:
-    rng = np.random.default_rng(args.seed)
-    times = wl.arrivals(args.num_prompts, args.rate, float("inf"), rng)
+    """Per round: one request at a time (``--num-prompts``; TTFT, TPOT without
+    queueing noise) and a saturated phase (``--burst`` prompts at once; output
+    throughput = capacity). Rounds alternate which of on/off goes first."""
     rounds: list[dict[str, Any]] = []
-    for k, caching in enumerate(on_off_rounds(args.rounds)):
+    order = [c if k % 2 == 0 else not c for k in range(args.rounds) for c in (True, False)]
+    for k, caching in enumerate(order):
         # unique prompts in every round: nothing is reusable, on or off
-        specs = wl.synthetic(
-            args.num_prompts, args.input_len, args.output_len, times, args.seed + k // 2 * 1000 + 7
+        seed = args.seed + k // 2 * 1000 + 7
+        one_by_one = wl.synthetic(
+            args.num_prompts, args.input_len, args.output_len, [0.0] * args.num_prompts, seed
         )
+        burst = wl.synthetic(
+            args.burst, args.input_len, args.output_len, [0.0] * args.burst, seed + 500
+        )
+        label = f"caching={'on' if caching else 'off'}"
         with cluster(caching) as local:
-            results, duration = run(local, run_open_loop, specs, lambda: None, None)
-        s = summarize(results, duration)
-        print(
-            text_summary(
-                RunReport(f"no-reuse caching={'on' if caching else 'off'}", args.rate, s, results)
-            )
-        )
+            results, duration = run(local, run_open_loop, one_by_one, lambda: None, 1)
+            s = summarize(results, duration)
+            print(text_summary(RunReport(f"no-reuse one at a time {label}", None, s, results)))
+            results, duration = run(local, run_open_loop, burst, lambda: None, None)
+            b = summarize(results, duration)
+            print(text_summary(RunReport(f"no-reuse burst {label}", None, b, results)))
         rounds.append(
             {
                 "caching": caching,
                 "ttft_mean": s.ttft.mean,
                 "ttft_median": s.ttft.median,
                 "tpot_median": s.tpot.median,
-                "output_throughput": s.output_throughput,
-                "failed": s.failed,
+                "burst_output_throughput": b.output_throughput,
+                "failed": s.failed + b.failed,
             }
         )
-    pairs = list(zip(rounds[::2], rounds[1::2], strict=True))
+    pairs = [
+        (a, b) if a["caching"] else (b, a) for a, b in zip(rounds[::2], rounds[1::2], strict=True)
+    ]
     ttft_mean = [a["ttft_mean"] / b["ttft_mean"] for a, b in pairs]
     ttft_median = [a["ttft_median"] / b["ttft_median"] for a, b in pairs]
-    throughput = [a["output_throughput"] / b["output_throughput"] for a, b in pairs]
+    tpot = [a["tpot_median"] / b["tpot_median"] for a, b in pairs]
+    throughput = [a["burst_output_throughput"] / b["burst_output_throughput"] for a, b in pairs]
+    on = [r for r in rounds if r["caching"]]
+    off = [r for r in rounds if not r["caching"]]
+
+    def pooled(key: str) -> float:
+        return statistics.mean(r[key] for r in on) / statistics.mean(r[key] for r in off)
+
     print(
-        f"no reuse, caching on / off: TTFT mean {_fmt(ttft_mean)}, median "
-        f"{_fmt(ttft_median)}; output throughput {_fmt(throughput)}"
+        f"no reuse, caching on / off per round: TTFT mean {_fmt(ttft_mean)}, median "
+        f"{_fmt(ttft_median)}; TPOT median {_fmt(tpot)}; saturated throughput {_fmt(throughput)}"
+    )
+    print(
+        f"all rounds pooled: TTFT mean {pooled('ttft_mean'):.3f}, TPOT median "
+        f"{pooled('tpot_median'):.3f}, throughput {pooled('burst_output_throughput'):.3f}"
     )
     return {
         "rounds": rounds,
         "ttft_mean_ratio": ttft_mean,
         "ttft_median_ratio": ttft_median,
+        "tpot_median_ratio": tpot,
         "throughput_ratio": throughput,
+        "pooled": {
+            "ttft_mean": pooled("ttft_mean"),
+            "ttft_median": pooled("ttft_median"),
+            "tpot_median": pooled("tpot_median"),
+            "throughput": pooled("burst_output_throughput"),
+        },
     }
 
 
@@ -310,7 +336,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--think", type=float, default=2.0, help="mean think time (s)")
     ap.add_argument("--stagger", type=float, default=1.5, help="conversation start gap (s)")
-    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--num-prompts", type=int, default=30)
+    ap.add_argument("--burst", type=int, default=24, help="no-reuse: prompts sent at once")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--rate", type=float, default=0.5, help="requests/s (no-reuse, trace)")
     ap.add_argument("--trace-block", type=int, default=64)

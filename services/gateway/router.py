@@ -88,6 +88,7 @@ class Router:
         self.reap_s = reap_s
         self.members: dict[str, list[Member]] = {r: [] for r in ROLES}
         self.local: defaultdict[str, float] = defaultdict(float)
+        self.picked: defaultdict[str, int] = defaultdict(int)  # ties go to the least picked
         self.benched: dict[str, float] = {}
         self.redis_ok = False
         self.kv_namespace: str | None = None
@@ -188,9 +189,14 @@ class Router:
         if role == "decode":
             best = min(
                 members,
-                key=lambda m: (self.score(m, role), -hits.local.get(m.instance_id, 0)),
+                key=lambda m: (
+                    self.score(m, role),
+                    -hits.local.get(m.instance_id, 0),
+                    self.picked[m.instance_id],
+                ),
             )
             self.local[best.instance_id] += cost
+            self.picked[best.instance_id] += 1
             return Pick(best, float(cost), self)
         return self._pick_prompt(role, members, cost, hits)
 
@@ -199,16 +205,18 @@ class Router:
         bound = min(queued.values()) + self.balance_tokens
         candidates = [m for m in members if queued[m.instance_id] <= bound]
 
-        def estimate(m: Member) -> tuple[float, float, str]:
+        def estimate(m: Member) -> tuple[float, float, int]:
             iid = m.instance_id
             uncached = n - hits.cached(iid)
             pulled = max(0, hits.store - hits.local.get(iid, 0))
-            return (queued[iid] + uncached + PULL_TOKEN_COST * pulled, queued[iid], iid)
+            cost = queued[iid] + uncached + PULL_TOKEN_COST * pulled
+            return (cost, queued[iid], self.picked[iid])
 
         best = min(candidates, key=estimate)
         cached = min(hits.cached(best.instance_id), n - 1)
         work = n - cached
         self.local[best.instance_id] += work
+        self.picked[best.instance_id] += 1
         return Pick(best, float(work), self, predicted_cached=cached)
 
     def queue_depths(self) -> dict[str, float]:

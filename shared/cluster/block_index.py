@@ -31,7 +31,8 @@ from shared.cluster.keys import Keys
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.02
 BATCH = 2048
-# KEYS: the instance's holds set. ARGV: block key prefix, instance id, ttl ms, keys...
+# KEYS: the instance's holds set, the holders set. ARGV: block key prefix, instance id,
+# ttl ms, keys...
 _ADD = """
 for i = 4, #ARGV do
   local key = ARGV[1] .. ARGV[i]
@@ -40,6 +41,7 @@ for i = 4, #ARGV do
   redis.call('SADD', KEYS[1], ARGV[i])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[2])
 return #ARGV - 3
 """
 # KEYS: the instance's holds set. ARGV: block key prefix, instance id, keys...
@@ -50,12 +52,15 @@ for i = 3, #ARGV do
 end
 return #ARGV - 2
 """
-# KEYS: the instance's holds set. ARGV: block key prefix, instance id, batch size.
-# Removes up to one batch of the instance's entries; returns how many.
+# KEYS: the instance's holds set, the holders set. ARGV: block key prefix, instance id,
+# batch size. Removes up to one batch of the instance's entries; returns how many.
 _CLEAR = """
 local keys = redis.call('SPOP', KEYS[1], ARGV[3])
 for _, k in ipairs(keys) do
   redis.call('SREM', ARGV[1] .. k, ARGV[2])
+end
+if redis.call('SCARD', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[2], ARGV[2])
 end
 return #keys
 """
@@ -75,7 +80,8 @@ class BlockIndex:
         for start in range(0, len(ids), BATCH):
             batch = ids[start : start + BATCH]
             await self._add(
-                keys=[holds], args=[self.keys.block(""), instance_id, self.ttl_ms, *batch]
+                keys=[holds, self.keys.holders()],
+                args=[self.keys.block(""), instance_id, self.ttl_ms, *batch],
             )
 
     async def remove(self, instance_id: str, ids: Sequence[str]) -> None:
@@ -89,7 +95,12 @@ class BlockIndex:
         holds = self.keys.holds(instance_id)
         total = 0
         while True:
-            n = int(await self._clear(keys=[holds], args=[self.keys.block(""), instance_id, BATCH]))
+            n = int(
+                await self._clear(
+                    keys=[holds, self.keys.holders()],
+                    args=[self.keys.block(""), instance_id, BATCH],
+                )
+            )
             total += n
             if n < BATCH:
                 return total
@@ -97,12 +108,10 @@ class BlockIndex:
     async def instances(self) -> set[str]:
         """Every instance that has entries (live or not). To find the dead, read
         membership after this: an instance registers before it publishes."""
-        prefix = self.keys.holds("")
-        found = set()
-        async for key in self.redis.scan_iter(match=self.keys.holds("*"), count=500):
-            name = key.decode() if isinstance(key, bytes) else str(key)
-            found.add(name[len(prefix) :])
-        return found
+        return {
+            m.decode() if isinstance(m, bytes) else str(m)
+            for m in await self.redis.smembers(self.keys.holders())
+        }
 
     async def holders(self, ids: Sequence[str]) -> list[set[str]]:
         if not ids:

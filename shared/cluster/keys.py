@@ -12,8 +12,10 @@ class Keys:
     def member(self, role: str, instance_id: str) -> str:
         return f"{self.prefix}:member:{role}:{instance_id}"
 
-    def member_pattern(self, role: str) -> str:
-        return f"{self.prefix}:member:{role}:*"
+    def members(self, role: str) -> str:
+        """The set of instance ids that registered as ``role`` (each also has its TTL'd
+        member key; a listed id whose key expired is dead and is pruned by readers)."""
+        return f"{self.prefix}:members:{role}"
 
     def block(self, block_id: str) -> str:
         """The set of instances holding block ``block_id`` (a block key in hex)."""
@@ -22,3 +24,7 @@ class Keys:
     def holds(self, instance_id: str) -> str:
         """The set of block ids one instance holds (to clear them all at once)."""
         return f"{self.prefix}:holds:{instance_id}"
+
+    def holders(self) -> str:
+        """The set of instance ids that have entries in the prompt index."""
+        return f"{self.prefix}:holders"

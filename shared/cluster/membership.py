@@ -61,19 +61,30 @@ class Member(BaseModel):
 
 
 async def live_members(redis: aioredis.Redis, keys: Keys, role: str) -> list[Member]:
-    """Every instance of ``role`` whose heartbeat key has not expired, by instance id."""
-    names = [k async for k in redis.scan_iter(match=keys.member_pattern(role), count=500)]
-    if not names:
+    """Every instance of ``role`` whose heartbeat key has not expired, by instance id.
+    Costs one round trip for the role's id set and one for the keys, however many
+    other keys Redis holds; ids whose key expired are pruned from the set."""
+    ids = sorted(
+        m.decode() if isinstance(m, bytes) else str(m)
+        for m in await redis.smembers(keys.members(role))
+    )
+    if not ids:
         return []
     members = []
-    for raw in await redis.mget(names):
+    dead = []
+    for instance_id, raw in zip(
+        ids, await redis.mget([keys.member(role, i) for i in ids]), strict=True
+    ):
         if raw is None:
-            continue  # expired between SCAN and MGET
+            dead.append(instance_id)
+            continue
         try:
             members.append(Member.model_validate_json(raw))
         except ValidationError:
             log.warning("ignoring a malformed membership record")
-    return sorted(members, key=lambda m: m.instance_id)
+    if dead:
+        await redis.srem(keys.members(role), *dead)
+    return members
 
 
 class Heartbeat:
@@ -92,6 +103,7 @@ class Heartbeat:
     ):
         self.redis = redis
         self.key = keys.member(member.role, member.instance_id)
+        self.role_set = keys.members(member.role)
         self.member = member
         self.interval_s = interval_s
         self.ttl_ms = int(ttl_s * 1000)
@@ -127,9 +139,10 @@ class Heartbeat:
         entries), ``on_reconnect`` runs so the owner republishes what it holds."""
         record = self.member.model_copy(update={"load": self.load()})
         try:
-            previous = await self.redis.set(
-                self.key, record.model_dump_json(), px=self.ttl_ms, get=True
-            )
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(self.key, record.model_dump_json(), px=self.ttl_ms, get=True)
+                pipe.sadd(self.role_set, self.member.instance_id)
+                previous, _ = await pipe.execute()
         except (RedisError, OSError) as exc:
             if self.healthy:
                 log.warning("Redis unreachable, running degraded: %s", exc)
@@ -159,6 +172,9 @@ class Heartbeat:
                 await self._task
         if deregister:
             try:
-                await self.redis.delete(self.key)
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(self.key)
+                    pipe.srem(self.role_set, self.member.instance_id)
+                    await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("could not deregister %s: %s", self.key, exc)

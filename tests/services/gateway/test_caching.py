@@ -253,7 +253,7 @@ def test_stopped_and_killed_instances_leave_no_index_entries(caching: LocalClust
     prefix = Keys("baton")
 
     def holders() -> set[str]:
-        return {str(k).rsplit(":", 1)[-1] for k in r.scan_iter(match=prefix.holds("*"))}
+        return {str(m) for m in r.smembers(prefix.holders()) if r.scard(prefix.holds(str(m)))}
 
     ids = {
         s.name: instance_id(caching, s.name)
@@ -277,10 +277,9 @@ def test_stopped_and_killed_instances_leave_no_index_entries(caching: LocalClust
 def live_store_ids(local: LocalCluster) -> set[str]:
     r = redis.Redis.from_url(local.redis.url, decode_responses=True)
     try:
-        names = [str(k) for k in r.scan_iter(match=Keys("baton").member_pattern("kvstore"))]
+        return {str(m) for m in r.smembers(Keys("baton").members("kvstore"))}
     finally:
         r.close()
-    return {n.rsplit(":", 1)[-1] for n in names}
 
 
 def instance_id(local: LocalCluster, name: str) -> str:

@@ -95,3 +95,14 @@ def test_hits_from_holders_count_live_prefixes_per_worker_and_across_stores() ->
     assert hits.store == 48
     assert hits.local == {"p1": 32, "d1": 16}
     assert hits.cached("p1") == 48 and hits.cached("x") == 48
+
+
+def test_equal_costs_take_turns() -> None:
+    """Idle instances and no cache: requests alternate instead of all going to one."""
+    r = router(prefill=[member("prefill", "a"), member("prefill", "b")])
+    chosen = []
+    for _ in range(4):
+        pick = r.pick("prefill", 100)
+        chosen.append(pick.member.instance_id)
+        pick.done()
+    assert chosen == ["a", "b", "a", "b"]

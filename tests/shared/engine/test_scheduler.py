@@ -331,14 +331,21 @@ def test_asynchronous_loads_leave_growth_room_for_running_requests() -> None:
     assert big.status is RequestStatus.WAITING and not fake.started
 
 
-def test_prefilled_elsewhere_loads_and_decodes_from_the_supplied_first_token() -> None:
+def prefilled_elsewhere(n_prompt: int, max_tokens: int) -> tuple[Scheduler, FakeConnector, Request]:
+    """A request whose whole prompt is loaded asynchronously and whose first token
+    arrives later, after its first scheduling step."""
     fake = FakeConnector()
     s = make(connector=fake)
-    r = req(10, max_tokens=3)
-    fake.offer(r, 10, asynchronous=True)  # the whole prompt, partial tail included
+    r = req(n_prompt, max_tokens=max_tokens)
+    fake.offer(r, n_prompt, asynchronous=True)
     r.awaiting_first_token = True
     s.add(r)
     run_step(s)
+    return s, fake, r
+
+
+def test_prefilled_elsewhere_loads_and_decodes_from_the_supplied_first_token() -> None:
+    s, fake, r = prefilled_elsewhere(10, max_tokens=3)  # the partial tail is loaded too
     assert r.status is RequestStatus.WAITING_FOR_KV and len(r.slots) == 3
     fake.end_load(r.request_id)
     run_step(s)
@@ -353,13 +360,7 @@ def test_prefilled_elsewhere_loads_and_decodes_from_the_supplied_first_token() -
 
 
 def test_first_token_before_the_load_ends_and_its_refusals() -> None:
-    fake = FakeConnector()
-    s = make(connector=fake)
-    r = req(6, max_tokens=3)
-    fake.offer(r, 6, asynchronous=True)
-    r.awaiting_first_token = True
-    s.add(r)
-    run_step(s)
+    s, fake, r = prefilled_elsewhere(6, max_tokens=3)
     s.supply_first_token(r.request_id, SampledToken(50))
     with pytest.raises(InvalidRequestError, match="already"):
         s.supply_first_token(r.request_id, SampledToken(51))
@@ -375,13 +376,7 @@ def test_first_token_before_the_load_ends_and_its_refusals() -> None:
 
 
 def test_failed_asynchronous_load_recomputes_the_prompt_but_not_the_first_token() -> None:
-    fake = FakeConnector()
-    s = make(connector=fake)
-    r = req(10, max_tokens=2)
-    fake.offer(r, 10, asynchronous=True)
-    r.awaiting_first_token = True
-    s.add(r)
-    run_step(s)
+    s, fake, r = prefilled_elsewhere(10, max_tokens=2)
     fake.end_load(r.request_id, ok=False)
     run_step(s)
     assert r.request_id in s.parked and not r.slots  # slots freed, nothing computed
@@ -407,13 +402,7 @@ def test_finished_request_keeps_its_slots_until_the_connector_lets_go() -> None:
 
 
 def test_abort_during_an_asynchronous_load_frees_slots_once_released() -> None:
-    fake = FakeConnector()
-    s = make(connector=fake)
-    r = req(8, max_tokens=2)
-    fake.offer(r, 8, asynchronous=True)
-    r.awaiting_first_token = True
-    s.add(r)
-    run_step(s)
+    s, fake, r = prefilled_elsewhere(8, max_tokens=2)
     assert s.finish(r.request_id, FinishReason.ABORT) is r
     assert r.request_id in s.releasing and s.kv.num_free == s.kv.num_slots - 2
     fake.release(r.request_id)

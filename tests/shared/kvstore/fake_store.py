@@ -89,6 +89,7 @@ class FakeKVStoreClient:
         self.phantoms: set[str] = set()  # index entries for blocks the store no longer has
         self.break_streams_after: int | None = None  # layers a stream delivers, then fails
         self.streams = 0
+        self.streamed: list[list[str]] = []  # the ids of every stream, in order
 
     # -- test controls -----------------------------------------------------------------
     def evict_keep_index(self, ids: Sequence[str]) -> None:
@@ -143,6 +144,7 @@ class FakeKVStoreClient:
         self, ids: Sequence[str], into: Sequence[Buffer], *, num_layers: int, wait_s: float
     ) -> AsyncIterator[int]:
         self.streams += 1
+        self.streamed.append(list(ids))
         views = [np.frombuffer(as_bytes_view(b), dtype=np.uint8) for b in into]
         lb = self.block_bytes // num_layers
         async with asyncio.timeout(wait_s):

@@ -79,6 +79,16 @@ class Node:
                 return tokens
 
 
+async def two_turns(
+    p: Node, d: Node, turn1: list[int], params: SamplingParams, follow_up: list[int]
+) -> tuple[list[int], list[int]]:
+    """Turn 1 through prefill ``p`` and decode ``d``; returns (its answer, turn 2's
+    prompt: turn 1, the answer and ``follow_up``)."""
+    first = await p.prefill(turn1, params, "t1-p")
+    answer = await d.decode(turn1, params, "t1-d", p.last_plan.put_ids, first.new_token_ids[0])
+    return answer, turn1 + answer + follow_up
+
+
 def _first_only(params: SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=1, temperature=params.temperature, top_p=params.top_p, seed=params.seed
@@ -91,17 +101,18 @@ async def node(
     store: FakeKVStoreClient,
     *,
     policy: PullPolicy = "always",
+    caching: bool = True,
     **kw: int,
 ) -> AsyncIterator[Node]:
     registry = CollectorRegistry()
     connector = KVStoreConnector(
         store,  # type: ignore[arg-type]
         ConnectorMetrics(registry),
-        caching=True,
+        caching=caching,
         pull_policy=policy,
         load_timeout_s=60,
     )
-    engine = make_engine(connector=connector, **kw)
+    engine = make_engine(connector=connector, enable_prefix_caching=caching, **kw)
     loop = EngineLoop(engine)
     loop.start()
     connector.start(asyncio.get_running_loop(), loop.wake)
@@ -265,10 +276,8 @@ async def test_the_next_turn_reuses_the_previous_answer(make_engine: EngineFacto
     turn1 = tok.encode(TEXT)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     async with node(make_engine, store) as p, node(make_engine, store) as d:
-        first = await p.prefill(turn1, params, "t1-p")
-        answer = await d.decode(turn1, params, "t1-d", p.last_plan.put_ids, first.new_token_ids[0])
+        answer, turn2 = await two_turns(p, d, turn1, params, tok.encode(" And after that?"))
         await asyncio.sleep(0.2)  # decode caches prompt+answer off the token path
-    turn2 = turn1 + answer + tok.encode(" And after that?")
     expected = reference(make_engine, turn2, params)
     async with node(make_engine, store) as p2, node(make_engine, store) as d2:
         first2 = await p2.prefill(turn2, params, "t2-p")
@@ -288,4 +297,32 @@ async def test_recompute_policy_never_pulls(make_engine: EngineFactory) -> None:
         await warm.prefill(prompt, GREEDY, "warm")
     async with node(make_engine, store, policy="never") as p:
         out = await p.prefill(prompt, GREEDY, "never")
+    assert out.cache_hit == CacheHit() and store.streams == 0
+
+
+async def test_decode_loads_only_the_blocks_its_pool_lacks(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    tok = make_engine().tokenizer
+    turn1 = tok.encode(TEXT)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    async with node(make_engine, store) as p, node(make_engine, store) as d:
+        answer, turn2 = await two_turns(p, d, turn1, params, tok.encode(" Go on."))
+        first2 = await p.prefill(turn2, params, "t2-p")
+        tokens = await d.decode(turn2, params, "t2-d", p.last_plan.put_ids, first2.new_token_ids[0])
+    bs = d.engine.layout.block_size
+    held = (len(turn1) + len(answer) - 1) // bs  # decode computed these for turn 1
+    assert len(store.streamed[-1]) == -(-len(turn2) // bs) - held
+    assert tokens == reference(make_engine, turn2, params)
+
+
+async def test_without_caching_nothing_is_shared_or_looked_up(make_engine: EngineFactory) -> None:
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    async with node(make_engine, store, caching=False) as p:
+        await p.prefill(prompt, GREEDY, "a")
+        first_ids = p.last_plan.put_ids
+        out = await p.prefill(prompt, GREEDY, "b")
+        second_ids = p.last_plan.put_ids
+    keys = {k.hex() for k in p.engine.hasher.keys(prompt)}
+    assert not keys & set(first_ids) and not set(first_ids) & set(second_ids)
     assert out.cache_hit == CacheHit() and store.streams == 0
