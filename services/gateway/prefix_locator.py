@@ -31,10 +31,18 @@ class PrefixHits:
 
     local: Mapping[str, int] = field(default_factory=dict)
     store: int = 0
+    keys: tuple[str, ...] = ()  # the reusable blocks' keys (hex), for in-flight matching
 
     def cached(self, instance_id: str) -> int:
         """Tokens ``instance_id`` would not compute: its own blocks, or pulled ones."""
         return max(self.local.get(instance_id, 0), self.store)
+
+    def with_local(self, extra: Mapping[str, int]) -> PrefixHits:
+        """These hits with more local holdings (tokens per instance) folded in."""
+        local = dict(self.local)
+        for iid, tokens in extra.items():
+            local[iid] = max(local.get(iid, 0), tokens)
+        return PrefixHits(local, self.store, self.keys)
 
 
 NO_HITS = PrefixHits()
@@ -68,12 +76,14 @@ class PrefixLocator:
         if usable <= 0:
             return NO_HITS
         keys = self.hasher(namespace, block_size).keys(prompt[: usable * block_size], cache_salt)
+        ids = tuple(k.hex() for k in keys)
         try:
-            rows = await self.index.holders([k.hex() for k in keys])
+            rows = await self.index.holders(ids)
         except (RedisError, OSError) as exc:  # degraded: route without cache locality
             log.warning("prompt index unreachable; routing without it: %s", exc)
-            return NO_HITS
-        return hits_from_holders(rows, live, block_size)
+            return PrefixHits(keys=ids)
+        found = hits_from_holders(rows, live, block_size)
+        return PrefixHits(found.local, found.store, ids)
 
 
 def hits_from_holders(

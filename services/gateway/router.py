@@ -46,6 +46,9 @@ ROLES = (*ROUTED, STORE_ROLE)
 LOAD_KEYS = {"prefill": "pending_tokens", "decode": "running", "colocated": "pending_tokens"}
 BENCH_S = 5.0
 PULL_TOKEN_COST = 0.02  # a token pulled from the store costs about 1/50 of computing it
+# a prompt sent to a prefill counts as held there while it computes and this long after
+# (its blocks reach the index within a publish interval)
+IN_FLIGHT_GRACE_S = 2.0
 
 
 @dataclass
@@ -56,6 +59,8 @@ class Pick:
     cost: float
     router: Router
     predicted_cached: int = 0  # prompt tokens the instance should not have to compute
+    keys: tuple[str, ...] = ()  # the prompt's block keys (prefill picks)
+    finished_at: float | None = None
 
     @property
     def url(self) -> str:
@@ -65,6 +70,8 @@ class Pick:
         if self.cost:
             self.router.local[self.member.instance_id] -= self.cost
             self.cost = 0.0
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
 
 
 class Router:
@@ -89,6 +96,7 @@ class Router:
         self.members: dict[str, list[Member]] = {r: [] for r in ROLES}
         self.local: defaultdict[str, float] = defaultdict(float)
         self.picked: defaultdict[str, int] = defaultdict(int)  # ties go to the least picked
+        self.in_flight: defaultdict[str, list[Pick]] = defaultdict(list)  # prefill picks
         self.benched: dict[str, float] = {}
         self.redis_ok = False
         self.kv_namespace: str | None = None
@@ -201,6 +209,7 @@ class Router:
         return self._pick_prompt(role, members, cost, hits)
 
     def _pick_prompt(self, role: str, members: list[Member], n: int, hits: PrefixHits) -> Pick:
+        hits = hits.with_local({m.instance_id: self._in_flight_prefix(m, hits) for m in members})
         queued = {m.instance_id: self.score(m, role) for m in members}
         bound = min(queued.values()) + self.balance_tokens
         candidates = [m for m in members if queued[m.instance_id] <= bound]
@@ -217,7 +226,30 @@ class Router:
         work = n - cached
         self.local[best.instance_id] += work
         self.picked[best.instance_id] += 1
-        return Pick(best, float(work), self, predicted_cached=cached)
+        pick = Pick(best, float(work), self, predicted_cached=cached, keys=hits.keys)
+        self.in_flight[best.instance_id].append(pick)
+        return pick
+
+    def _in_flight_prefix(self, member: Member, hits: PrefixHits) -> int:
+        """Tokens of this prompt that prompts this gateway sent to ``member`` will have
+        computed there (it waits for them rather than computing a copy), like SGLang's
+        router, which inserts a prompt into its tree when it routes it."""
+        picks = self.in_flight.get(member.instance_id)
+        if not picks or not hits.keys or not self.block_size:
+            return 0
+        now = time.monotonic()
+        picks[:] = [
+            p for p in picks if p.finished_at is None or now - p.finished_at < IN_FLIGHT_GRACE_S
+        ]
+        best = 0
+        for p in picks:
+            shared = 0
+            for a, b in zip(hits.keys, p.keys, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            best = max(best, shared)
+        return best * self.block_size
 
     def queue_depths(self) -> dict[str, float]:
         out = {}

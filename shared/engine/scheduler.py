@@ -9,7 +9,9 @@ token budget, the sequence limit and free slots allow; with
 leaves budget for the prompts queued behind a long one.
 
 Admission reuses the longest prefix held in the local pool, then asks the
-connector how many more tokens it can load. An in-step load runs inside the
+connector how many more tokens it can load. A request whose next uncached block
+is being computed right now by a running request waits (it is passed over, not
+blocking the queue) until that block is cached, rather than computing a copy. An in-step load runs inside the
 request's first step (layer by layer, overlapped with computing the rest); an
 asynchronous load parks the request (``WAITING_FOR_KV``) until the connector
 reports it, and the request then computes whatever is left. A load that fails
@@ -39,6 +41,7 @@ from shared.engine.request import (
     SampledToken,
 )
 from shared.errors import InvalidRequestError, RequestTooLongError
+from shared.kv.block_hash import BlockKey
 
 
 @dataclass(frozen=True)
@@ -158,15 +161,47 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        computing = self._blocks_being_computed()
+        deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not req.slots and self._shares_a_prefix_being_computed(req, computing):
+                deferred.append(self.waiting.popleft())
+                continue
             # holding slots: its KV was loaded asynchronously, compute the rest
             taken = self._continue(req, budget) if req.slots else self._start(req, budget)
             if taken is None:
-                return
+                break
             if taken:
                 scheduled.append(ScheduledRequest(req, taken))
                 budget -= taken
+                computing |= self._uncached_prompt_blocks(req)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _blocks_being_computed(self) -> set[BlockKey]:
+        """Keys of the prompt blocks running requests compute and have not cached yet."""
+        if not self.kv.enable_caching:
+            return set()
+        out: set[BlockKey] = set()
+        for req in self.running:
+            out |= self._uncached_prompt_blocks(req)
+        return out
+
+    def _uncached_prompt_blocks(self, req: Request) -> set[BlockKey]:
+        if not self.kv.enable_caching:
+            return set()
+        full = req.num_prompt_tokens // self.block_size
+        return set(req.block_keys[req.num_cached_blocks : full])
+
+    def _shares_a_prefix_being_computed(self, req: Request, computing: set[BlockKey]) -> bool:
+        """Whether the first block ``req`` would compute is being computed right now by a
+        running request: then it waits (in-batch prefix caching, as SGLang does) and
+        reuses that block once cached instead of computing a second copy."""
+        if not computing:
+            return False
+        usable = (req.num_tokens - 1) // self.block_size
+        first = len(self.kv.local_hit(req, usable))
+        return first < usable and req.block_keys[first] in computing
 
     def _start(self, req: Request, budget: int) -> int | None:
         """Admit a request holding no slots; returns the tokens it computes this step (0:

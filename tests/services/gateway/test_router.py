@@ -3,6 +3,8 @@ a balance bound, least-loaded decode, benching, 503; reading index rows into hit
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.gateway.prefix_locator import PrefixHits, hits_from_holders
@@ -106,3 +108,20 @@ def test_equal_costs_take_turns() -> None:
         chosen.append(pick.member.instance_id)
         pick.done()
     assert chosen == ["a", "b", "a", "b"]
+
+
+def test_a_prompt_in_flight_counts_as_held_by_its_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = router(prefill=[member("prefill", "a"), member("prefill", "b", pending_tokens=1000)])
+    r.block_size = 16
+    keys = tuple(f"k{i}" for i in range(10))
+    first = r.pick("prefill", 170, hits=PrefixHits(keys=keys))
+    twin = r.pick("prefill", 180, hits=PrefixHits(keys=(*keys[:8], "x", "y")))
+    # the twin waits on a for the 8 blocks being computed there: 170 queued + 52 to compute
+    assert first.member.instance_id == twin.member.instance_id == "a"
+    assert twin.predicted_cached == 128
+    first.done()
+    twin.done()
+    clock = time.monotonic() + 10
+    monkeypatch.setattr(time, "monotonic", lambda: clock)
+    late = r.pick("prefill", 170, hits=PrefixHits(keys=keys))
+    assert late.predicted_cached == 0  # forgotten: the index speaks for it now

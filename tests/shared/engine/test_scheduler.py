@@ -224,7 +224,7 @@ def test_requests_that_can_never_fit_are_rejected() -> None:
 
 def test_long_prompt_chunks_leave_room_for_prompts_queued_behind_it() -> None:
     s = make(budget=64, chunk_cap=16)
-    long, short = req(40, max_tokens=2), req(5, max_tokens=2)
+    long, short = req(40, max_tokens=2), req(5, max_tokens=2, first=60)
     s.add(long)
     s.add(short)
     out = run_step(s)
@@ -407,4 +407,26 @@ def test_abort_during_an_asynchronous_load_frees_slots_once_released() -> None:
     assert r.request_id in s.releasing and s.kv.num_free == s.kv.num_slots - 2
     fake.release(r.request_id)
     run_step(s)
+    assert_idle(s)
+
+
+def test_a_prompt_sharing_a_prefix_being_computed_waits_to_reuse_it() -> None:
+    """In-batch prefix caching: the second request does not compute a copy of the blocks
+    the first is computing; it is passed over (not blocking the queue) until they are
+    cached, then reuses them."""
+    s = make(budget=64, chunk_cap=8)
+    first, twin, other = req(24, max_tokens=1), req(30, max_tokens=1), req(6, first=90)
+    for r in (first, twin, other):
+        s.add(r)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(first, 8), (other, 6)]
+    assert list(s.waiting) == [twin]  # still first in line
+    run_step(s)  # first's second chunk: twin's next block is being computed again
+    run_step(s)  # first's last chunk
+    assert list(s.waiting) == [twin] and first.is_finished
+    out = run_step(s)
+    assert (twin, 30 - 24) in [(x.request, x.num_new_tokens) for x in out.scheduled]
+    assert twin.num_cached_tokens == 24
+    while s.has_unfinished():
+        run_step(s)
     assert_idle(s)
