@@ -32,6 +32,7 @@ import json
 import random
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,8 +54,16 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @contextmanager
 def cluster(
-    caching: bool, *, prefill: int = 2, decode: int = 2, kvstore_gb: float = 2.0, **env: str
+    args: argparse.Namespace,
+    caching: bool,
+    *,
+    prefill: int = 2,
+    decode: int = 2,
+    kvstore_gb: float = 2.0,
+    **env: str,
 ) -> Iterator[LocalCluster]:
+    """The cluster; ``args.logs`` keeps its services' logs (info level) there."""
+
     def topology(redis_url: str) -> Topology:
         return Topology(
             redis_url=redis_url,
@@ -67,11 +76,13 @@ def cluster(
             kv_cache_gb=1.0,
             kvstore_gb=kvstore_gb,
             prefix_caching=caching,
-            extra_env={"BATON_LOG_LEVEL": "warning", **env},
+            extra_env={"BATON_LOG_LEVEL": "info" if args.logs else "warning", **env},
         )
 
-    with tempfile.TemporaryDirectory(prefix="baton-caching-") as logs:
-        local = LocalCluster(topology, log_dir=Path(logs)).start()
+    with tempfile.TemporaryDirectory(prefix="baton-caching-") as scratch:
+        logs = Path(scratch) if args.logs is None else args.logs / time.strftime("%H%M%S")
+        logs.mkdir(parents=True, exist_ok=True)
+        local = LocalCluster(topology, log_dir=logs).start()
         try:
             yield local
         finally:
@@ -109,7 +120,7 @@ def multi_turn(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     rounds: list[dict[str, Any]] = []
     for caching in on_off_rounds(args.rounds):
-        with cluster(caching) as local:
+        with cluster(args, caching) as local:
             results, duration = run(local, run_conversations, specs, lambda: None, args.seed)
         summary = summarize(results, duration)
         print(
@@ -165,7 +176,7 @@ def no_reuse(args: argparse.Namespace) -> dict[str, Any]:
             args.burst, args.input_len, args.output_len, [0.0] * args.burst, seed + 500
         )
         label = f"caching={'on' if caching else 'off'}"
-        with cluster(caching) as local:
+        with cluster(args, caching) as local:
             results, duration = run(local, run_open_loop, one_by_one, lambda: None, 1)
             s = summarize(results, duration)
             print(text_summary(RunReport(f"no-reuse one at a time {label}", None, s, results)))
@@ -231,7 +242,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
         max_output=args.output_len,
     )
     working_set = len({r.hash_ids[: k + 1] for r in rows for k in range(len(r.hash_ids))})
-    with cluster(True, kvstore_gb=args.store_gb) as local:
+    with cluster(args, True, kvstore_gb=args.store_gb) as local:
         gw = local.gateway_url
         before = {
             o: metric(gw, "baton_router_predictions_total", f'outcome="{o}"')
@@ -273,7 +284,7 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in args.prefixes.split(",")]
     out: dict[str, Any] = {"prefix_tokens": lengths, "new_tokens": 16}
     for policy in ("always", "never"):
-        with cluster(True, decode=1, BATON_PREFILL_PULL_POLICY=policy) as local:
+        with cluster(args, True, decode=1, BATON_PREFILL_PULL_POLICY=policy) as local:
             warm_url, cold_url = urls(local, "prefill")
             times: dict[int, list[float]] = {p: [] for p in lengths}
             for rep in range(args.repeats):
@@ -346,6 +357,7 @@ def main() -> None:
     ap.add_argument("--prefixes", default="16,32,64,128,256,512,1024")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--logs", type=Path, default=None, help="keep service logs here")
     args = ap.parse_args()
     run_experiment = {
         "multi-turn": multi_turn,
@@ -355,7 +367,8 @@ def main() -> None:
     }[args.experiment]
     result = run_experiment(args)
     out = args.out or Path(f"bench-results/caching-{args.experiment}.json")
-    save_json(out, {"args": vars(args) | {"out": str(out)}, "result": result})
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    save_json(out, {"args": config | {"out": str(out)}, "result": result})
     print(f"results: {out}")
 
 

@@ -31,7 +31,8 @@ class PrefixHits:
 
     local: Mapping[str, int] = field(default_factory=dict)
     store: int = 0
-    keys: tuple[str, ...] = ()  # the reusable blocks' keys (hex), for in-flight matching
+    # the keys (hex) of every full block of the prompt: what it leaves cached once computed
+    keys: tuple[str, ...] = ()
 
     def cached(self, instance_id: str) -> int:
         """Tokens ``instance_id`` would not compute: its own blocks, or pulled ones."""
@@ -72,13 +73,12 @@ class PrefixLocator:
         """``live``: instance id -> role of every live instance."""
         if not self.enabled or namespace is None or not block_size:
             return NO_HITS
-        usable = (len(prompt) - 1) // block_size
+        usable = (len(prompt) - 1) // block_size  # the last prompt token is always computed
+        ids = tuple(k.hex() for k in self.hasher(namespace, block_size).keys(prompt, cache_salt))
         if usable <= 0:
-            return NO_HITS
-        keys = self.hasher(namespace, block_size).keys(prompt[: usable * block_size], cache_salt)
-        ids = tuple(k.hex() for k in keys)
+            return PrefixHits(keys=ids)
         try:
-            rows = await self.index.holders(ids)
+            rows = await self.index.holders(ids[:usable])
         except (RedisError, OSError) as exc:  # degraded: route without cache locality
             log.warning("prompt index unreachable; routing without it: %s", exc)
             return PrefixHits(keys=ids)

@@ -209,7 +209,9 @@ class Router:
         return self._pick_prompt(role, members, cost, hits)
 
     def _pick_prompt(self, role: str, members: list[Member], n: int, hits: PrefixHits) -> Pick:
-        hits = hits.with_local({m.instance_id: self._in_flight_prefix(m, hits) for m in members})
+        usable = (n - 1) // self.block_size * self.block_size if self.block_size else 0
+        in_flight = {m.instance_id: self._in_flight_prefix(m, hits) for m in members}
+        hits = hits.with_local({iid: min(t, usable) for iid, t in in_flight.items()})
         queued = {m.instance_id: self.score(m, role) for m in members}
         bound = min(queued.values()) + self.balance_tokens
         candidates = [m for m in members if queued[m.instance_id] <= bound]
@@ -223,6 +225,8 @@ class Router:
 
         best = min(candidates, key=estimate)
         cached = min(hits.cached(best.instance_id), n - 1)
+        if self.block_size:  # reuse comes in whole blocks
+            cached = cached // self.block_size * self.block_size
         work = n - cached
         self.local[best.instance_id] += work
         self.picked[best.instance_id] += 1
