@@ -89,6 +89,21 @@ def cluster(
             local.stop()
 
 
+def cpu_seconds(local: LocalCluster) -> dict[str, float]:
+    """CPU time (user + system) each role's processes have used so far, Redis included."""
+    import psutil
+
+    out: dict[str, float] = {}
+    procs = [(s.role, local.procs[s.name].proc) for s in local.specs]
+    procs.append(("redis", local.redis.proc))
+    for role, proc in procs:
+        if proc is None:
+            continue
+        t = psutil.Process(proc.pid).cpu_times()
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
 def urls(local: LocalCluster, role: str) -> list[str]:
     return [f"http://127.0.0.1:{s.http_port}" for s in local.specs if s.role == role]
 
@@ -180,8 +195,11 @@ def no_reuse(args: argparse.Namespace) -> dict[str, Any]:
             results, duration = run(local, run_open_loop, one_by_one, lambda: None, 1)
             s = summarize(results, duration)
             print(text_summary(RunReport(f"no-reuse one at a time {label}", None, s, results)))
+            cpu_before = cpu_seconds(local)
             results, duration = run(local, run_open_loop, burst, lambda: None, None)
+            cpu = {k: v - cpu_before[k] for k, v in cpu_seconds(local).items()}
             b = summarize(results, duration)
+            print("burst CPU seconds by role:", {k: round(v, 2) for k, v in cpu.items()})
             print(text_summary(RunReport(f"no-reuse burst {label}", None, b, results)))
         rounds.append(
             {
@@ -190,6 +208,7 @@ def no_reuse(args: argparse.Namespace) -> dict[str, Any]:
                 "ttft_median": s.ttft.median,
                 "tpot_median": s.tpot.median,
                 "burst_output_throughput": b.output_throughput,
+                "burst_cpu_s": cpu,
                 "failed": s.failed + b.failed,
             }
         )

@@ -11,11 +11,12 @@ leaves budget for the prompts queued behind a long one.
 Admission reuses the longest prefix held in the local pool, then asks the
 connector how many more tokens it can load. A request whose next uncached block
 is being computed right now by a running request waits (it is passed over, not
-blocking the queue) until that block is cached, rather than computing a copy. An in-step load runs inside the
-request's first step (layer by layer, overlapped with computing the rest); an
-asynchronous load parks the request (``WAITING_FOR_KV``) until the connector
-reports it, and the request then computes whatever is left. A load that fails
-sends the request back to recompute: a stale cache costs time, never tokens.
+blocking the queue) until that block is cached, rather than computing a copy.
+An in-step load runs inside the request's first step (layer by layer,
+overlapped with computing the rest); an asynchronous load parks the request
+(``WAITING_FOR_KV``) until the connector reports it, and the request then
+computes whatever is left. A load that fails sends the request back to
+recompute: a stale cache costs time, never tokens.
 
 When a running request needs a slot and none is free, the latest-arrived
 running request is preempted: its slots go back (still findable by key, so
