@@ -25,6 +25,10 @@ class Keys:
         """The set of block ids one instance holds (to clear them all at once)."""
         return f"{self.prefix}:holds:{instance_id}"
 
+    def watermark(self, request_id: str) -> str:
+        """A running request's replication watermark (see shared.cluster.watermarks)."""
+        return f"{self.prefix}:wm:{request_id}"
+
     def holders(self) -> str:
         """The set of instance ids that have entries in the prompt index."""
         return f"{self.prefix}:holders"

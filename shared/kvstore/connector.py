@@ -32,8 +32,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
+from shared.cluster.watermarks import Watermark
 from shared.engine.kv_cache_manager import Slot, cdiv
 from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
 from shared.engine.request import Request, RequestId
@@ -44,6 +43,7 @@ from shared.kv.layout import KVLayout
 from shared.kvstore.client import KVStoreClient, LeaseSet
 from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.kvstore.pull_cost import PullCost, PullPolicy
+from shared.kvstore.replicator import Replicator
 from shared.kvstore.transfer_tasks import TransferTasks, release, retrieve
 from shared.kvstore.transfers import Load, PutJob, StagingPool
 
@@ -60,6 +60,7 @@ class StorePlan:
     """
 
     load_ids: list[str] = field(default_factory=list)
+    load_tokens: int = 0  # tokens load_ids cover (the last block may be partial)
     asynchronous: bool = False
     wait_s: float = 0.0
     lease: LeaseSet | None = None
@@ -102,8 +103,7 @@ class KVStoreConnector(KVConnector):
         self._step_loads: list[Load] = []
         self._poisoned: set[RequestId] = set()
         self._step_plan: list[tuple[PutJob, list[int], list[Slot]]] = []
-        # per replicating request: its leading blocks in (or on their way to) the store
-        self._replicated: dict[RequestId, int] = {}
+        self.replicator = Replicator(self.tasks, caching=caching)
 
     def bind(self, pool: KVCache) -> None:
         super().bind(pool)
@@ -160,11 +160,21 @@ class KVStoreConnector(KVConnector):
         plan.put_job = job
         return plan
 
-    def plan_decode(self, store_ids: Sequence[str], wait_s: float) -> StorePlan:
-        """The prompt's blocks come from the store (as prefill writes them)."""
+    def plan_decode(self, store_ids: Sequence[str], tokens: int, wait_s: float) -> StorePlan:
+        """The request's first ``tokens`` of KV come from the store (as prefill writes
+        them, or as an earlier decode replicated them); what it computes is replicated."""
         return StorePlan(
-            load_ids=list(store_ids), asynchronous=True, wait_s=wait_s, replicate=self.caching
+            load_ids=list(store_ids),
+            load_tokens=tokens,
+            asynchronous=True,
+            wait_s=wait_s,
+            replicate=True,
         )
+
+    async def final_watermark(self, request_id: str) -> Watermark | None:
+        """After a request was aborted here: how much of its KV is in the store, once its
+        last blocks are written (a drain hands this to the next instance)."""
+        return await self.tasks.final_watermark(RequestId(request_id))
 
     async def abandon(self, plan: StorePlan) -> None:
         """A plan whose request never reached the engine: undo its lease and put."""
@@ -199,8 +209,8 @@ class KVStoreConnector(KVConnector):
         if plan is None or not plan.load_ids:
             return NO_HIT
         bs = self.layout.block_size
-        if plan.asynchronous:  # the prompt's blocks, the partial tail included
-            loadable = min(request.num_prompt_tokens, len(plan.load_ids) * bs)
+        if plan.asynchronous:  # the last block may be partial (the prompt's tail)
+            loadable = min(plan.load_tokens, len(plan.load_ids) * bs)
             return ExternalHit(max(0, loadable - num_local_tokens), asynchronous=True)
         tokens = len(plan.load_ids) * bs - num_local_tokens
         if tokens <= 0:
@@ -244,7 +254,7 @@ class KVStoreConnector(KVConnector):
     def save_layer(self, layer: int, step: SchedulerOutput) -> None:
         if layer == 0:
             self._step_plan = self._plan_step(step)
-            self._replicate(step)
+            self.replicator.stage(step, self._stored_ids)
         last = layer == self.layout.num_layers - 1
         for job, idxs, slots in self._step_plan:
             if job.request_id in self._poisoned:
@@ -275,36 +285,15 @@ class KVStoreConnector(KVConnector):
                 out.append((job, idxs, [s.request.slots[i] for i in idxs]))
         return out
 
-    def _replicate(self, step: SchedulerOutput) -> None:
-        """Stage every block completed before this step by a request that replicates, and
-        write them in the background. One step late: the engine has keyed them by now,
-        and a full block of a running request never changes."""
-        staging = self.tasks.staging
-        if staging is None or self.pool is None:
-            return
-        bs = self.layout.block_size
-        ids: list[str] = []
-        staged: list[int] = []
-        for s in step.scheduled:
-            req = s.request
-            plan = _plan(req)
-            if plan is None or not plan.replicate:
-                continue
-            rid = req.request_id
-            done = self._replicated.setdefault(rid, req.num_prompt_tokens // bs)
-            full = min(req.num_computed_tokens // bs, len(req.block_keys))
-            while done < full:
-                index = staging.take()
-                if index is None:  # the store lags: these go from the slots at the end
-                    break
-                block = self.pool.block(req.slots[done])
-                staging.buffers[index].copy_(block.reshape(-1).view(torch.uint8))
-                ids.append(req.block_keys[done].hex())
-                staged.append(index)
-                done += 1
-            self._replicated[rid] = done
-        if ids:
-            self.tasks.soon(self.tasks.staged_soon, ids, staged)
+    def _stored_ids(self, req: Request) -> list[str] | None:
+        """For a request that replicates: the ids of its leading full blocks the store
+        holds (what it loaded; nothing if its load failed and it recomputed)."""
+        plan = _plan(req)
+        if plan is None or not plan.replicate:
+            return None
+        if not req.load_external:
+            return []
+        return plan.load_ids[: plan.load_tokens // self.layout.block_size]
 
     def end_step(self) -> frozenset[RequestId]:
         loads = self._step_loads
@@ -339,22 +328,9 @@ class KVStoreConnector(KVConnector):
             plan.lease = None
         if plan.put_job is not None:
             self.tasks.soon(self.tasks.end_put_soon, plan.put_job)
-        replicated = self._replicated.pop(request.request_id, None)
         if not held and plan.replicate:
-            held = self._save_computed(request, replicated)
+            held = self.replicator.finished(request)
         return held
 
     def poll(self) -> ConnectorEvents:
         return self.tasks.events.take()
-
-    def _save_computed(self, req: Request, replicated: int | None) -> bool:
-        """Write the full blocks decode computed and did not replicate yet (from the
-        prompt's tail on) to the store; True while that reads the request's slots."""
-        bs = self.layout.block_size
-        first = max(req.num_prompt_tokens // bs, replicated or 0)
-        full = req.num_computed_tokens // bs
-        if full <= first or len(req.block_keys) < full:
-            return False
-        ids = [k.hex() for k in req.block_keys[first:full]]
-        self.tasks.soon(self.tasks.save_soon, req.request_id, ids, req.slots[first:full])
-        return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.engine.request import CacheHit
 from shared.serving.metrics import latency_histogram
@@ -40,6 +40,17 @@ class ConnectorMetrics:
             "baton_kv_saved_bytes", "KV bytes written from the pool to the store", registry=r
         )
         self.load_s = latency_histogram(r, "baton_kv_load_seconds", "Duration of one KV load")
+        self.replicated_bytes = Counter(
+            "baton_kv_replicated_bytes",
+            "KV bytes decode wrote to the store (blocks it completed)",
+            registry=r,
+        )
+        self.replication_lag = Histogram(
+            "baton_kv_replication_lag_tokens",
+            "Tokens computed but not yet committed in the store, at each replication write",
+            registry=r,
+            buckets=(0, 16, 32, 64, 128, 256, 512, 1024),
+        )
         self.crossover = Gauge(
             "baton_kv_pull_crossover_tokens",
             "Fewest cached tokens for which pulling beats recomputing (measured)",

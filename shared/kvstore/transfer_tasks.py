@@ -1,8 +1,9 @@
 """The event-loop half of the KV-store connector: the tasks that move KV bytes.
 
 Loads stream blocks from the store into pool slots; put writers send a
-prompt's layers into its two-phase put and commit it; saves write whole blocks
-(from a finished request's slots, or from staging copies). Each tells the
+prompt's layers into its two-phase put and commit it; replication writes whole
+blocks (from staging copies, or from an ended request's slots) and advances
+the request's watermark. Each tells the
 engine thread how far it got under :attr:`TransferTasks.cond` (loads: layers
 landed; writers: items still reading the pool) and reports finished transfers
 through :attr:`TransferTasks.events`, waking the engine thread. Everything here
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from shared.cluster.watermarks import Watermark, Watermarks
 from shared.engine.kv_cache_manager import Slot
 from shared.engine.request import RequestId
 from shared.errors import KVStoreError, TransportError
@@ -25,10 +27,11 @@ from shared.kv.kv_cache import KVCache
 from shared.kvstore.client import KVStoreClient, LeaseSet
 from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.kvstore.pull_cost import PullCost
-from shared.kvstore.transfers import Events, LayerItem, Load, PutJob, StagingPool
+from shared.kvstore.transfers import Events, LayerItem, Load, PutJob, Replication, StagingPool
 
 log = logging.getLogger(__name__)
 TRANSFER_ERRORS = (KVStoreError, TransportError, asyncio.CancelledError)
+ENDED_KEEP_S = 60.0
 
 
 def retrieve(fut: asyncio.Future[None]) -> None:
@@ -48,6 +51,10 @@ class TransferTasks:
         self.pool: KVCache | None = None
         self.pull: PullCost | None = None
         self.staging: StagingPool | None = None
+        self.watermarks: Watermarks | None = None  # decode: where replication is recorded
+        self.instance_id = ""
+        # replications of requests that ended, until they settle (a drain reads them)
+        self.ended: dict[RequestId, Replication] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._wake: Callable[[], None] = lambda: None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -55,6 +62,9 @@ class TransferTasks:
     def start(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
         self._aio = loop
         self._wake = wake
+
+    def layout_block_size(self) -> int:
+        return self._pool().layout.block_size
 
     def _pool(self) -> KVCache:
         if self.pool is None:
@@ -208,50 +218,114 @@ class TransferTasks:
     def release_soon(self, lease: LeaseSet) -> None:
         self.spawn(release(lease), "kv-lease-release")
 
-    def save_soon(self, rid: RequestId, ids: list[str], slots: list[Slot]) -> None:
-        self.spawn(self._save(rid, ids, slots), f"kv-save:{rid}")
+    def replicate_soon(
+        self,
+        rep: Replication,
+        indices: list[int],
+        staged: list[int] | None,
+        slots: list[Slot] | None,
+    ) -> None:
+        """Write blocks ``indices`` of a replication, from staging buffers or (a request
+        that ended) from its slots, which are released when written."""
+        rep.pending += 1
+        rep.settled.clear()
+        self.spawn(self._replicate(rep, indices, staged, slots), f"kv-replicate:{rep.request_id}")
 
-    async def _save(self, rid: RequestId, ids: list[str], slots: list[Slot]) -> None:
-        """A finished request's blocks, whole, from its slots (held until this ends);
-        two-phase, so only blocks the store lacks cross the wire."""
+    def finish_replication(
+        self, rep: Replication, keep: bool, indices: list[int], slots: list[Slot]
+    ) -> None:
+        rep.keep = keep
+        self.ended[rep.request_id] = rep
+        if indices:
+            self.replicate_soon(rep, indices, None, slots)
+        else:
+            self._settle(rep)
+
+    async def _replicate(
+        self,
+        rep: Replication,
+        indices: list[int],
+        staged: list[int] | None,
+        slots: list[Slot] | None,
+    ) -> None:
         pool = self._pool()
+        layout = pool.layout
+        ids = [rep.ids[i] for i in indices]
         try:
-            put = await self.kv.begin_put(
-                ids,
-                [pool.layout.block_bytes] * len(ids),
-                num_layers=pool.layout.num_layers,
-                ttl_s=self.put_ttl_s,
-            )
-            try:
-                await put.write(ids, [pool.block(s) for s in slots])
-                await put.commit()
-            except BaseException:
-                await put.revoke()
-                raise
-            self.metrics.saved_bytes.inc(len(ids) * pool.layout.block_bytes)
-        except (KVStoreError, TransportError) as exc:
-            log.warning("saving the blocks of %s failed: %s", rid, exc)
-        finally:
-            self.events.released(rid)
-            self._wake()
-
-    def staged_soon(self, ids: list[str], staged: list[int]) -> None:
-        self.spawn(self._write_staged(ids, staged), "kv-replicate")
-
-    async def _write_staged(self, ids: list[str], staged: list[int]) -> None:
-        """Staged copies of blocks, whole, in one round trip per store node."""
-        staging, layout = self.staging, self._pool().layout
-        if staging is None:
-            return
-        try:
-            buffers = [staging.buffers[i] for i in staged]
-            await self.kv.put(ids, buffers, num_layers=layout.num_layers)
+            if staged is not None and self.staging is not None:
+                buffers = [self.staging.buffers[i] for i in staged]
+                await self.kv.put(ids, buffers, num_layers=layout.num_layers)
+            else:
+                put = await self.kv.begin_put(
+                    ids,
+                    [layout.block_bytes] * len(ids),
+                    num_layers=layout.num_layers,
+                    ttl_s=self.put_ttl_s,
+                )
+                try:
+                    await put.write(ids, [pool.block(s) for s in slots or ()])
+                    await put.commit()
+                except BaseException:
+                    await put.revoke()
+                    raise
             self.metrics.saved_bytes.inc(len(ids) * layout.block_bytes)
+            self.metrics.replicated_bytes.inc(len(ids) * layout.block_bytes)
+            rep.committed.update(indices)
+            await self._advance(rep, layout.block_size)
         except (KVStoreError, TransportError) as exc:
-            log.warning("replicating %d blocks failed: %s", len(ids), exc)
+            log.warning("replicating %d blocks of %s failed: %s", len(ids), rep.request_id, exc)
         finally:
-            for index in staged:
-                staging.give(index)
+            if staged is not None and self.staging is not None:
+                for index in staged:
+                    self.staging.give(index)
+            rep.pending -= 1
+            if slots is not None:
+                self.events.released(rep.request_id)
+                self._wake()
+            if rep.pending == 0:
+                self._settle(rep)
+
+    async def _advance(self, rep: Replication, block_size: int) -> None:
+        moved = False
+        while rep.watermark in rep.committed:
+            rep.committed.discard(rep.watermark)
+            rep.watermark += 1
+            moved = True
+        lag = (rep.staged - rep.watermark) * block_size
+        self.metrics.replication_lag.observe(lag)
+        if moved and rep.keep and self.watermarks is not None:
+            await self.watermarks.advance(
+                rep.request_id,
+                self.instance_id,
+                rep.watermark * block_size,
+                rep.ids[: rep.watermark],
+            )
+
+    def _settle(self, rep: Replication) -> None:
+        rep.settled.set()
+        if rep.request_id not in self.ended:
+            return
+        if rep.keep:  # a drain reads it soon; a client that left never does
+            asyncio.get_running_loop().call_later(
+                ENDED_KEEP_S, self.ended.pop, rep.request_id, None
+            )
+            return
+        del self.ended[rep.request_id]
+        if self.watermarks is not None:
+            self.spawn(self.watermarks.drop(rep.request_id), "kv-watermark-drop")
+
+    async def final_watermark(self, rid: RequestId) -> Watermark | None:
+        """Once an ended request's last blocks are written: how far its KV is stored."""
+        rep = self.ended.pop(rid, None)
+        if rep is None:
+            return None
+        await rep.settled.wait()
+        bs = self.layout_block_size()
+        return Watermark(
+            instance_id=self.instance_id,
+            tokens=rep.watermark * bs,
+            block_ids=rep.ids[: rep.watermark],
+        )
 
     async def close(self) -> None:
         """Cancel whatever still runs (service shutdown)."""

@@ -131,3 +131,28 @@ class StagingPool:
 
     def give(self, index: int) -> None:
         self._free.put(index)
+
+
+@dataclass(eq=False)
+class Replication:
+    """A decode request's blocks on their way to the store, and how far they got.
+
+    ``ids`` names the request's blocks in order (the prompt's from prefill, then one
+    per block decode completed); the engine thread appends to it and advances
+    ``staged`` (blocks written or being written). The event loop owns the rest:
+    ``watermark`` is the number of leading blocks committed, ``pending`` the writes
+    in flight, ``settled`` is set whenever none is. ``keep`` turns False when the
+    request finished normally: its watermark is then dropped, not advanced.
+    """
+
+    request_id: RequestId
+    ids: list[str]
+    staged: int
+    watermark: int
+    committed: set[int] = field(default_factory=set)
+    pending: int = 0
+    keep: bool = True
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.settled.set()

@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine.engine_loop import EngineLoop
+from shared.engine.engine_loop import EngineLoop, next_output
 from shared.engine.request import CacheHit, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.kvstore.connector import KVStoreConnector, StorePlan
@@ -54,8 +54,8 @@ class Node:
         plan = await self.connector.plan_prefill(req)
         outputs = self.loop.subscribe(rid)
         await self.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
-        out = await asyncio.wait_for(outputs.get(), 120)
-        assert out is not None and plan.put_job is not None
+        out = await asyncio.wait_for(next_output(outputs), 120)
+        assert plan.put_job is not None
         await asyncio.wait_for(asyncio.shield(plan.put_job.committed), 60)
         self.last_plan = plan
         return out
@@ -64,7 +64,7 @@ class Node:
         self, prompt: list[int], params: SamplingParams, rid: str, store_ids: list[str], first: int
     ) -> list[int]:
         req = self.engine.new_request(prompt, params, request_id=rid)
-        plan = self.connector.plan_decode(store_ids, wait_s=60)
+        plan = self.connector.plan_decode(store_ids, len(prompt), wait_s=60)
         outputs = self.loop.subscribe(rid)
         await self.loop.call(
             lambda e: e.add(req, kv_transfer=plan, awaiting_first_token=True, detokenize=False)
@@ -72,8 +72,7 @@ class Node:
         await self.loop.call(lambda e: e.supply_first_token(rid, SampledToken(first)))
         tokens = [first]
         while True:
-            out = await asyncio.wait_for(outputs.get(), 120)
-            assert out is not None
+            out = await asyncio.wait_for(next_output(outputs), 120)
             tokens += out.new_token_ids
             if out.finished:
                 return tokens

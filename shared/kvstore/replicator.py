@@ -1,0 +1,94 @@
+"""Decode's KV replication: every block a request completes goes to the store, and the
+request's watermark in Redis follows what is committed (DéjàVu).
+
+Engine thread: one step after a block fills (the engine has keyed it by then,
+and a full block of a running request never changes) it is copied into a
+preallocated staging buffer and handed to the event loop, which writes it in
+the background; replication never holds a slot and lags rather than blocks
+when staging runs out. When a request ends, the blocks not yet replicated are
+written from its slots (held until written): an aborted request (a client gone,
+a drain migrating it) keeps its watermark for the instance that resumes it; a
+finished one drops it, and keeps its blocks in the store only for reuse
+(prompt+answer caching) when caching is on.
+
+Block ids: content keys when caching (shared with every instance), else ids
+unique to the request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from shared.engine.kv_cache_manager import Slot
+from shared.engine.request import FinishReason, Request, RequestId
+from shared.engine.scheduler import SchedulerOutput
+from shared.kvstore.transfer_tasks import TransferTasks
+from shared.kvstore.transfers import Replication
+
+
+class Replicator:
+    def __init__(self, tasks: TransferTasks, *, caching: bool):
+        self.tasks = tasks
+        self.caching = caching
+        self.replications: dict[RequestId, Replication] = {}  # written on the engine thread
+
+    def start(self, req: Request, stored_ids: list[str]) -> Replication:
+        """Track ``req``, whose leading full blocks ``stored_ids`` are in the store."""
+        rep = Replication(req.request_id, list(stored_ids), len(stored_ids), len(stored_ids))
+        self.replications[req.request_id] = rep
+        return rep
+
+    def _block_id(self, req: Request, index: int) -> str:
+        return req.block_keys[index].hex() if self.caching else uuid.uuid4().hex
+
+    def stage(self, step: SchedulerOutput, stored: Callable[[Request], list[str] | None]) -> None:
+        """Stage the blocks completed before this step by the replicating requests in it
+        (``stored(req)``: the ids of its leading blocks already in the store, or None for
+        a request that does not replicate)."""
+        staging, pool = self.tasks.staging, self.tasks.pool
+        if staging is None or pool is None:
+            return
+        bs = pool.layout.block_size
+        for s in step.scheduled:
+            req = s.request
+            rep = self.replications.get(req.request_id)
+            if rep is None:
+                known = stored(req)
+                if known is None:
+                    continue
+                rep = self.start(req, known)
+            full = min(req.num_computed_tokens // bs, len(req.block_keys))
+            indices: list[int] = []
+            buffers: list[int] = []
+            while rep.staged < full:
+                index = staging.take()
+                if index is None:  # the store lags: these go from the slots at the end
+                    break
+                block = pool.block(req.slots[rep.staged])
+                staging.buffers[index].copy_(block.reshape(-1).view(torch.uint8))
+                rep.ids.append(self._block_id(req, rep.staged))
+                indices.append(rep.staged)
+                buffers.append(index)
+                rep.staged += 1
+            if indices:
+                self.tasks.soon(self.tasks.replicate_soon, rep, indices, buffers, None)
+
+    def finished(self, req: Request) -> bool:
+        """The request ended: write what it computed and did not replicate yet (when it
+        may resume elsewhere, or for caching). True while that reads its slots."""
+        rep = self.replications.pop(req.request_id, None)
+        if rep is None:
+            return False
+        keep = req.finish_reason is FinishReason.ABORT
+        bs = self.tasks.layout_block_size()
+        full = min(req.num_computed_tokens // bs, len(req.block_keys), len(req.slots))
+        indices = list(range(rep.staged, full)) if (keep or self.caching) else []
+        slots: list[Slot] = [req.slots[i] for i in indices]
+        for i in indices:
+            rep.ids.append(self._block_id(req, i))
+        rep.staged += len(indices)
+        self.tasks.soon(self.tasks.finish_replication, rep, keep, indices, slots)
+        return bool(indices)
