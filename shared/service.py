@@ -3,11 +3,14 @@ and its long-lived part is built, started and stopped by the app's lifespan."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import faulthandler
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import FrameType
 from typing import Protocol, TypeVar
 
 import uvicorn
@@ -24,6 +27,38 @@ class Component(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+class _DrainingServer(uvicorn.Server):
+    """On SIGTERM the component drains first (new requests refused, running ones
+    finished or handed over), then the server shuts down as usual; a second signal,
+    or SIGINT, skips the drain."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.app = app
+        self._drain_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        component = getattr(self.app.state, "component", None)
+        drain = getattr(component, "drain", None)
+        if sig != signal.SIGTERM or self._drain_requested or drain is None:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_requested = True
+
+        async def drain_then_exit(run: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await run()
+            finally:
+                super(_DrainingServer, self).handle_exit(sig, frame)
+
+        def start() -> None:
+            self._drain_task = asyncio.get_running_loop().create_task(drain_then_exit(drain))
+
+        # a signal handler may run while the loop sleeps in select(): wake it up
+        asyncio.get_running_loop().call_soon_threadsafe(start)
 
 
 C = TypeVar("C", bound=Component)
@@ -88,6 +123,7 @@ def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> Non
     except BatonError as exc:
         print(f"baton {name}: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=host, port=port, log_level=level.lower(), access_log=False, log_config=None
     )
+    _DrainingServer(config, app).run()

@@ -22,16 +22,19 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
+from prometheus_client import Counter
 from pydantic import BaseModel
 
 from services.decode.settings import DecodeSettings
+from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
+from shared.engine.engine_loop import StreamInterrupted
 from shared.engine.kv_cache_manager import cdiv
 from shared.errors import InvalidRequestError
 from shared.kvstore.connector import KVStoreConnector
 from shared.serving.errors import ServiceError
 from shared.serving.metrics import latency_histogram
-from shared.serving.protocol import Accepted, DecodeRequest, WireToken
+from shared.serving.protocol import Accepted, DecodeRequest, MigrateEvent, WireToken
 from shared.serving.worker import TokenStream, Worker, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,9 @@ class DecodeMetrics:
             "baton_decode_join_wait_seconds",
             "Arrival to the first token decoded here (KV space, prompt load, first token)",
         )
+        self.migrations = Counter(
+            "baton_decode_migrations", "Streams handed to another instance (drain)", registry=r
+        )
 
 
 class Decoder(Worker):
@@ -60,7 +66,16 @@ class Decoder(Worker):
         self.decode_metrics = DecodeMetrics(self.metrics)
 
     def make_connector(self) -> KVStoreConnector:
-        return KVStoreConnector(self.kv, self.connector_metrics, caching=self.caching)
+        connector = KVStoreConnector(self.kv, self.connector_metrics, caching=self.caching)
+        connector.tasks.watermarks = Watermarks(self.redis, self.keys)
+        connector.tasks.instance_id = self.instance_id
+        return connector
+
+    def release_requests(self) -> None:
+        """Draining: every stream here ends with ``migrate`` (after the tokens already
+        made) and continues on another decode instance from the stored KV."""
+        for rid in list(self.in_flight):
+            self.loop.interrupt(rid)
 
     def load(self) -> dict[str, float]:
         snap = self.loop.snapshot
@@ -78,13 +93,20 @@ class Decoder(Worker):
         first.set_result(token)
 
     async def run(self, body: DecodeRequest) -> AsyncGenerator[BaseModel, None]:
+        self.admit()
         rid = body.request_id
         n = len(body.prompt_token_ids)
         bs = self.engine.layout.block_size
-        if len(body.kv_ids) != cdiv(n, bs):
+        if body.resumed:
+            kv_tokens = len(body.kv_ids) * bs  # whole blocks up to the watermark
+            if kv_tokens > n + len(body.generated):
+                raise InvalidRequestError(f"{len(body.kv_ids)} KV ids cover more than the tokens")
+        elif len(body.kv_ids) != cdiv(n, bs):
             raise InvalidRequestError(
                 f"{n} prompt tokens need {cdiv(n, bs)} KV ids, got {len(body.kv_ids)}"
             )
+        else:
+            kv_tokens = n
         if rid in self.in_flight:
             raise InvalidRequestError(f"request id {rid} is already decoding")
         req = self.engine.new_request(
@@ -94,37 +116,51 @@ class Decoder(Worker):
             seed=body.sampling.seed,
             cache_salt=body.cache_salt,
         )
-        plan = self.connector.plan_decode(body.kv_ids, body.wait_s)
+        plan = self.connector.plan_decode(body.kv_ids, kv_tokens, body.wait_s)
         first: asyncio.Future[WireToken] = asyncio.get_running_loop().create_future()
-        self.first_tokens[rid] = first
+        if not body.resumed:
+            self.first_tokens[rid] = first
         self.in_flight[rid] = req
         outputs = self.loop.subscribe(rid)
         arrival = time.perf_counter()
         finished = False
         try:
             await self.loop.call(
-                lambda e: e.add(req, kv_transfer=plan, awaiting_first_token=True, detokenize=False)
+                lambda e: e.add(
+                    req,
+                    kv_transfer=plan,
+                    awaiting_first_token=not body.resumed,
+                    generated=body.generated,
+                    detokenize=False,
+                )
             )
             yield Accepted(instance_id=self.instance_id)
-            token = await asyncio.wait_for(
-                asyncio.shield(first), self.settings.first_token_timeout_s
-            )
-            await self.loop.call(lambda e: e.supply_first_token(rid, token.sampled()))
+            if not body.resumed:
+                token = await asyncio.wait_for(
+                    asyncio.shield(first), self.settings.first_token_timeout_s
+                )
+                await self.loop.call(lambda e: e.supply_first_token(rid, token.sampled()))
             tokens = TokenStream()
-            async for event in tokens.events(outputs):
-                if tokens.generated == 2:  # the first token decoded here
-                    self.decode_metrics.join_wait_s.observe(time.perf_counter() - arrival)
-                yield event
+            try:
+                async for event in tokens.events(outputs):
+                    if tokens.generated == len(body.generated) + 1:  # the first one made here
+                        self.decode_metrics.join_wait_s.observe(time.perf_counter() - arrival)
+                    yield event
+            except StreamInterrupted:
+                yield await self._migrate(rid)
+                finished = True
+                return
             finished = True
             timings = tokens.timings
             if timings is not None and timings.admitted is not None:
                 self.decode_metrics.admission_s.observe(timings.admitted - timings.arrival)
             log.info(
-                "decoded %d tokens after a %d-token prompt in %.3fs (%s)",
-                tokens.generated,
+                "decoded %d tokens after a %d-token prompt in %.3fs (%s)%s",
+                tokens.generated - len(body.generated),
                 n,
                 time.perf_counter() - arrival,
                 tokens.finish_reason,
+                f", resumed after {len(body.generated)}" if body.resumed else "",
             )
         finally:
             self.loop.unsubscribe(rid)
@@ -132,3 +168,13 @@ class Decoder(Worker):
             self.in_flight.pop(rid, None)
             if not finished:  # frees its slots once the connector lets go of them
                 self.loop.post(lambda e: e.abort(rid))
+
+    async def _migrate(self, rid: str) -> MigrateEvent:
+        """End the request here; once its computed blocks are stored, say where."""
+        await self.loop.call(lambda e: e.abort(rid))
+        mark = await self.connector.final_watermark(rid)
+        self.decode_metrics.migrations.inc()
+        if mark is None:
+            return MigrateEvent(tokens=0, kv_ids=[])
+        log.info("migrating %s with %d tokens of KV stored", rid, mark.tokens)
+        return MigrateEvent(tokens=mark.tokens, kv_ids=mark.block_ids)

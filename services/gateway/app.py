@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from services.gateway.decode_session import FailoverPolicy
 from services.gateway.handoff import CacheReport, Generated, Handoff
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
@@ -36,6 +37,7 @@ from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
+from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
 from shared.errors import InvalidRequestError
 from shared.logs import request_id_var
@@ -73,15 +75,21 @@ class Gateway:
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
+        self.metrics = GatewayMetrics()
         self.handoff = Handoff(
             self.http,
             self.router,
             self.locator,
+            Watermarks(self.redis, keys),
+            self.metrics,
             attempts=settings.connect_attempts,
+            failover=FailoverPolicy(
+                progress_timeout_s=settings.decode_progress_timeout_s,
+                failover_timeout_s=settings.failover_timeout_s,
+            ),
             colocated=settings.mode == "colocated",
         )
         self.roles = ("colocated",) if settings.mode == "colocated" else ("prefill", "decode")
-        self.metrics = GatewayMetrics()
         self.in_flight = 0
 
     async def start(self) -> None:

@@ -7,55 +7,49 @@
    the transfer ids; decode is told at once and starts pulling while prefill
    computes (and streams layers into the store).
 3. Prefill's first token goes to the client and to decode; decode joins its
-   running batch and streams the rest.
+   running batch and streams the rest (:class:`DecodeSession`, which moves the
+   request to another decode instance when this one dies, hangs or drains).
 4. The prefill stream is read to its end (``committed``) in the background: a
    prefill whose caller vanishes before the commit revokes the KV.
 
-Closing the generator (client gone, stop string, error) closes both worker
-streams, which cancels the request there and frees its KV. A prefill that
-cannot be reached is retried on another instance before anything was sent.
+Closing the generator (client gone, stop string, error) closes every worker
+stream, which cancels the request there and frees its KV. A prefill that cannot
+be reached, refuses (draining) or is lost before the first token is replaced by
+another before anything was sent to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import httpx
 
+from services.gateway.decode_session import DecodeSession, FailoverPolicy
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_locator import PrefixHits, PrefixLocator
 from services.gateway.router import Pick, Router
+from services.gateway.worker_stream import DRAINING, LOST, WorkerStream, open_stream
+from shared.cluster.watermarks import Watermarks
 from shared.serving.background import Background
 from shared.serving.errors import ServiceError
 from shared.serving.protocol import (
     REQUEST_ID_HEADER,
     Accepted,
     DecodeRequest,
-    ErrorEvent,
-    Event,
     FirstToken,
     FirstTokenEvent,
     PrefillRequest,
     SamplingSpec,
     TokenEvent,
     WireToken,
-    decode_event,
 )
 
 log = logging.getLogger(__name__)
-LOST = "worker_lost"
 DRAIN_S = 60.0
-
-
-@dataclass(frozen=True)
-class Generated:
-    token: WireToken
-    finish_reason: str | None  # set on the last token
-    cache: CacheReport | None = None  # on the first token
 
 
 @dataclass(frozen=True)
@@ -66,70 +60,26 @@ class CacheReport:
     actual: int
 
 
+@dataclass(frozen=True)
+class Generated:
+    token: WireToken
+    finish_reason: str | None  # set on the last token
+    cache: CacheReport | None = None  # on the first token
+
+
 @dataclass
 class Started:
     """A request with its worker streams open and (once set) its first token."""
 
     prefill_pick: Pick
     prefill: WorkerStream
+    accepted: Accepted
+    hits: PrefixHits
     decode_pick: Pick | None = None
     decode: WorkerStream | None = None
     first: FirstTokenEvent | None = None
     drain: asyncio.Task[None] | None = None
-
-
-class WorkerStream:
-    """An NDJSON event stream from a worker; ``aclose`` cancels the work there."""
-
-    def __init__(self, response: httpx.Response, who: str):
-        self.response = response
-        self.who = who
-        self._lines: AsyncIterator[str] = response.aiter_lines()
-
-    async def next(self) -> Event:
-        try:
-            line = await anext(self._lines)
-        except StopAsyncIteration:
-            raise ServiceError(
-                502, f"{self.who} ended its stream early", code=LOST, who=self.who
-            ) from None
-        except httpx.HTTPError as exc:
-            raise ServiceError(
-                502, f"{self.who} connection lost: {exc}", code=LOST, who=self.who
-            ) from exc
-        event = decode_event(line)
-        if isinstance(event, ErrorEvent):
-            status = 400 if event.code in ("invalid_request", "context_length_exceeded") else 502
-            raise ServiceError(status, f"{self.who}: {event.message}", code=event.code)
-        return event
-
-    async def aclose(self) -> None:
-        await self.response.aclose()
-
-
-async def open_stream(
-    http: httpx.AsyncClient, url: str, body: str, request_id: str, who: str
-) -> WorkerStream:
-    """POST and wait for the response head; a refusal becomes a ServiceError with the
-    worker's status and message."""
-    request = http.build_request(
-        "POST",
-        url,
-        content=body,
-        headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id},
-    )
-    response = await http.send(request, stream=True)
-    if response.status_code != 200:
-        raw = await response.aread()
-        await response.aclose()
-        try:
-            err = json.loads(raw)["error"]
-            message, code = str(err["message"]), err.get("code")
-        except (ValueError, KeyError, TypeError):
-            message, code = raw.decode(errors="replace")[:500], None
-        status = response.status_code if response.status_code in (400, 413, 422, 429) else 503
-        raise ServiceError(400 if status == 422 else status, f"{who}: {message}", code=code)
-    return WorkerStream(response, who)
+    session: DecodeSession | None = None
 
 
 class Handoff:
@@ -138,14 +88,20 @@ class Handoff:
         http: httpx.AsyncClient,
         router: Router,
         locator: PrefixLocator,
+        watermarks: Watermarks,
+        metrics: GatewayMetrics,
         *,
         attempts: int,
+        failover: FailoverPolicy,
         colocated: bool = False,
     ):
         self.http = http
         self.router = router
         self.locator = locator
+        self.watermarks = watermarks
+        self.metrics = metrics
         self.attempts = attempts
+        self.failover = failover
         self.colocated = colocated
         self.background = Background()
 
@@ -157,20 +113,24 @@ class Handoff:
         request_id: str,
         cost: int,
         hits: PrefixHits,
+        exclude: set[str] | None = None,
     ) -> tuple[Pick, WorkerStream, Accepted]:
         """Open ``path`` on an instance of ``role`` and wait for ``accepted``. An instance
-        that refuses the connection is benched and another tried (nothing was sent to
-        the client yet); :meth:`Router.pick` raises 503 once none is left."""
-        tried: set[str] = set()
+        that refuses the connection or is draining is benched and another tried (nothing
+        was sent to the client yet); :meth:`Router.pick` raises 503 once none is left."""
+        tried: set[str] = set(exclude or ())
         for attempt in range(self.attempts):
             pick = self.router.pick(role, cost, tried, hits)
             try:
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
-            except httpx.TransportError as exc:  # refused, reset, or a dead pooled connection
+            except (httpx.TransportError, ServiceError) as exc:
                 pick.done()
+                unreachable = isinstance(exc, httpx.TransportError)
+                if not unreachable and getattr(exc, "code", None) != DRAINING:
+                    raise
                 self.router.bench(pick.member)
                 tried.add(pick.member.instance_id)
-                log.warning("%s %s unreachable (%s)", role, pick.member.instance_id, exc)
+                log.warning("%s %s refused the request (%s)", role, pick.member.instance_id, exc)
                 if attempt + 1 < self.attempts:
                     continue
                 raise ServiceError(
@@ -198,7 +158,7 @@ class Handoff:
         prefill_pick, prefill, accepted = await self._open(
             "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt), hits
         )
-        started = Started(prefill_pick, prefill)
+        started = Started(prefill_pick, prefill, accepted, hits)
         try:
             if sampling.max_tokens > 1:
                 body = DecodeRequest(**prefill_body.model_dump(), kv_ids=accepted.kv_ids)
@@ -232,10 +192,14 @@ class Handoff:
 
     def _release(self, started: Started, request_id: str) -> None:
         started.prefill_pick.done()
-        if started.decode_pick is not None:
+        decode = started.decode
+        if started.session is not None:
+            started.session.pick.done()
+            decode = started.session.stream
+        elif started.decode_pick is not None:
             started.decode_pick.done()
         self.background.spawn(
-            self._close(started.prefill, started.decode, started.drain), f"close:{request_id}"
+            self._close(started.prefill, decode, started.drain), f"close:{request_id}"
         )
 
     async def generate(
@@ -273,18 +237,25 @@ class Handoff:
                 log.warning("prefill lost before the first token; retrying: %s", exc)
         try:
             first = started.first
-            decode = started.decode
             if first is None:
                 raise ServiceError(502, "prefill gave no first token")
             reason = first.finish_reason or ("length" if sampling.max_tokens == 1 else None)
             cache = CacheReport(started.prefill_pick.predicted_cached, first.cached_tokens)
-            if decode is None or started.decode_pick is None or reason is not None:
+            decode, decode_pick = started.decode, started.decode_pick
+            if decode is None or decode_pick is None or reason is not None:
                 yield Generated(first.token, reason, cache)
                 return
+            session = started.session = self._session(
+                request_id,
+                body.model_copy(update={"request_id": worker_id}),
+                started,
+                decode_pick,
+                decode,
+            )
             # the client gets the first token while it goes on to decode (one HTTP
             # round trip off TTFT); decode's stream is read only once it has it
             send = asyncio.create_task(
-                self._send_first(started.decode_pick, worker_id, first.token),
+                self._send_first(decode_pick, worker_id, first.token),
                 name=f"first-token:{worker_id}",
             )
             try:
@@ -292,11 +263,47 @@ class Handoff:
             except BaseException:
                 send.cancel()
                 raise
-            await send
-            async for gen in _tokens(decode):
-                yield gen
+            async for token in session.tokens(first.token, send):
+                yield Generated(token.token, token.finish_reason)
         finally:
             self._release(started, request_id)
+
+    def _session(
+        self,
+        request_id: str,
+        body: PrefillRequest,
+        started: Started,
+        pick: Pick,
+        stream: WorkerStream,
+    ) -> DecodeSession:
+        decode_body = DecodeRequest(**body.model_dump(), kv_ids=started.accepted.kv_ids)
+
+        async def open_decode(
+            resumed: DecodeRequest, exclude: set[str]
+        ) -> tuple[Pick, WorkerStream]:
+            pick, stream, _ = await self._open(
+                "decode",
+                "/v1/decode",
+                resumed.model_dump_json(),
+                resumed.request_id,
+                1,
+                started.hits,
+                exclude,
+            )
+            return pick, stream
+
+        return DecodeSession(
+            request_id,
+            decode_body,
+            pick,
+            stream,
+            open_decode,
+            self.router,
+            self.watermarks,
+            self.metrics,
+            self.background,
+            self.failover,
+        )
 
     async def _generate_colocated(self, body: PrefillRequest) -> AsyncGenerator[Generated, None]:
         """The baseline: the whole request on one engine that does both phases."""
@@ -307,8 +314,13 @@ class Handoff:
             "colocated", "/v1/generate", body.model_dump_json(), rid, len(prompt), hits
         )
         try:
-            async for gen in _tokens(stream):
-                yield gen
+            while True:
+                event = await stream.next()
+                if not isinstance(event, TokenEvent):
+                    raise ServiceError(502, f"colocated sent {event.event} instead of a token")
+                yield Generated(event.token, event.finish_reason)
+                if event.finish_reason is not None:
+                    return
         finally:
             pick.done()
             self.background.spawn(stream.aclose(), f"close:{rid}")
@@ -340,7 +352,9 @@ class Handoff:
         except httpx.HTTPError as exc:
             raise ServiceError(502, f"decode unreachable: {exc}", code=LOST) from exc
         if response.status_code != 200:
-            raise ServiceError(502, f"decode refused the first token: {response.text[:300]}")
+            raise ServiceError(
+                502, f"decode refused the first token: {response.text[:300]}", code=LOST
+            )
 
     async def _drain(self, prefill: WorkerStream) -> None:
         """Read prefill's stream to ``committed`` so it does not revoke the KV."""
@@ -349,14 +363,3 @@ class Handoff:
                 await prefill.next()
         finally:
             await prefill.aclose()
-
-
-async def _tokens(stream: WorkerStream) -> AsyncGenerator[Generated, None]:
-    """``token`` events until the one that carries the finish reason."""
-    while True:
-        event = await stream.next()
-        if not isinstance(event, TokenEvent):
-            raise ServiceError(502, f"{stream.who} sent {event.event} instead of a token")
-        yield Generated(event.token, event.finish_reason)
-        if event.finish_reason is not None:
-            return

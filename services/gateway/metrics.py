@@ -46,6 +46,25 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.failovers = Counter(
+            "baton_failovers",
+            "Requests moved to another decode instance mid-stream, by why (lost: its stream "
+            "broke; hung: it left membership; stalled: no progress; migrated: it drained)",
+            ["reason"],
+            registry=r,
+        )
+        self.resume_gap = latency_histogram(
+            r,
+            "baton_resume_gap_seconds",
+            "From noticing a decode instance failed to the next token from its successor",
+        )
+        self.recomputed_tokens = Counter(
+            "baton_resume_recomputed_tokens",
+            "Tokens a resumed request's new decode instance computed again (past the "
+            "replication watermark)",
+            registry=r,
+        )
+
     def observe_cache(self, predicted: int, actual: int) -> None:
         self.cached_tokens.inc(actual)
         self.predicted_cached_tokens.inc(predicted)

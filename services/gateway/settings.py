@@ -27,6 +27,11 @@ class GatewaySettings(BaseSettings):
     # cache-aware routing competes only among prefill instances whose queued work is
     # within this many tokens of the least loaded one (a hot prefix cannot pile up)
     balance_tokens: float = Field(default=4096.0, ge=0)
+    # a decode instance that streams nothing for this long while still registered is
+    # treated as hung and its requests resumed elsewhere
+    decode_progress_timeout_s: float = Field(default=60.0, gt=0)
+    # a request whose decode failed waits this long for an instance to take it over
+    failover_timeout_s: float = Field(default=60.0, gt=0)
     # how often the prompt index entries of instances no longer live are cleared
     reap_s: float = Field(default=10.0, gt=0)
     # scope every request's cache_salt to its API key: tenants never share KV blocks

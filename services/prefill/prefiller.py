@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from services.prefill.settings import PrefillSettings
 from shared.config import BatonSettings, EngineConfig
+from shared.engine.engine_loop import next_output
 from shared.engine.request import FinishReason
 from shared.errors import InvalidRequestError
 from shared.kvstore.connector import KVStoreConnector
@@ -91,6 +92,7 @@ class Prefiller(Worker):
 
     async def run(self, body: PrefillRequest) -> AsyncGenerator[BaseModel, None]:
         """Yields the events of one prefill (see :mod:`shared.serving.protocol`)."""
+        self.admit()
         rid = body.request_id
         if rid in self.in_flight:
             raise InvalidRequestError(f"request id {rid} is already in prefill")
@@ -110,9 +112,9 @@ class Prefiller(Worker):
             await self.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
             added = True
             yield Accepted(instance_id=self.instance_id, kv_ids=plan.put_ids)
-            out = await outputs.get()
-            if out is None or out.timings is None:
-                raise RuntimeError("the engine stopped")
+            out = await next_output(outputs)
+            if out.timings is None:
+                raise RuntimeError(f"prefill of {rid} ended without timings")
             sampled = True
             first_at = time.perf_counter()
             t = out.timings

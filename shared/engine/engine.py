@@ -197,11 +197,23 @@ class Engine:
         *,
         kv_transfer: object | None = None,
         awaiting_first_token: bool = False,
+        generated: Sequence[int] = (),
         detokenize: bool = True,
     ) -> RequestId:
         """Queue ``req``. ``kv_transfer`` is what the connector needs to move its KV;
         ``awaiting_first_token``: prefilled elsewhere, it computes nothing until
-        :meth:`supply_first_token` (its outputs then start with the second token)."""
+        :meth:`supply_first_token` (its outputs then start with the second token);
+        ``generated``: tokens it already produced elsewhere (a resumed request: its
+        outputs continue after them, sampled exactly as they would have been there)."""
+        if generated:
+            if awaiting_first_token:
+                raise InvalidRequestError("a resumed request already has its first token")
+            if len(generated) >= req.params.max_tokens:
+                raise InvalidRequestError("a resumed request has no tokens left to generate")
+            vocab = self.loaded.arch.vocab_size
+            if any(not 0 <= t < vocab for t in generated):
+                raise InvalidRequestError(f"generated token ids must be in [0, {vocab})")
+            req.output_token_ids = list(generated)
         req.kv_transfer = kv_transfer
         req.awaiting_first_token = awaiting_first_token
         self.scheduler.add(req)

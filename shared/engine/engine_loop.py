@@ -36,6 +36,29 @@ ENGINE_DIED = None
 """Put on every subscribed queue when the engine thread dies (so no request waits forever)."""
 
 
+class Interrupted:
+    """Put on a request's queue by :meth:`EngineLoop.interrupt`: stop reading it."""
+
+
+INTERRUPTED = Interrupted()
+Output = RequestOutput | Interrupted | None
+
+
+class StreamInterrupted(Exception):
+    """Its reader was told to stop reading a request (:meth:`EngineLoop.interrupt`)."""
+
+
+async def next_output(outputs: asyncio.Queue[Output]) -> RequestOutput:
+    """The next output of a subscribed request; raises if the engine died or the request
+    was interrupted."""
+    out = await outputs.get()
+    if out is None:
+        raise RuntimeError("the engine stopped")
+    if isinstance(out, Interrupted):
+        raise StreamInterrupted()
+    return out
+
+
 @dataclass
 class LoopStats:
     steps: int = 0
@@ -59,7 +82,7 @@ class EngineLoop:
         self.stats = LoopStats()
         self.snapshot: EngineSnapshot = engine.snapshot()
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | None]] = {}
+        self._queues: dict[str, asyncio.Queue[Output]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
@@ -123,11 +146,18 @@ class EngineLoop:
         """Rouse an idle engine thread (thread-safe): something it polls has changed."""
         self._commands.put(_nothing)
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput | None]:
-        """Outputs of ``request_id`` in order; ``None`` means the engine died."""
-        q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+    def subscribe(self, request_id: str) -> asyncio.Queue[Output]:
+        """Outputs of ``request_id`` in order; ``None`` means the engine died,
+        :data:`INTERRUPTED` that :meth:`interrupt` was called."""
+        q: asyncio.Queue[Output] = asyncio.Queue()
         self._queues[request_id] = q
         return q
+
+    def interrupt(self, request_id: str) -> None:
+        """Tell the reader of ``request_id``'s outputs to stop, after those queued."""
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(INTERRUPTED)
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

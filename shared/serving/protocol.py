@@ -9,7 +9,8 @@ the transfer ids the decode side pulls) -> ``first_token`` -> ``committed``
 ``accepted`` (KV pool space reserved, pull started) -> ``token``... (the last
 one carries ``finish_reason``); the first token reaches decode separately
 (``POST /v1/decode/{request_id}/first_token``), as soon as prefill sampled it.
-Any stream may end with ``error``.
+A draining decode ends a stream with ``migrate`` (where its KV is stored) for
+the gateway to resume it elsewhere. Any stream may end with ``error``.
 """
 
 from __future__ import annotations
@@ -86,12 +87,23 @@ class PrefillRequest(_Wire):
 
 
 class DecodeRequest(_Wire):
+    """A request prefilled elsewhere (``kv_ids``: one store id per prompt block, the
+    partial tail included; its first token follows separately), or one resumed here
+    after another decode instance died or drained: ``generated`` holds every token the
+    client already has (the first included), ``kv_ids`` the stored full blocks (the
+    watermark), and decode recomputes the rest and continues."""
+
     request_id: str = Field(min_length=1, max_length=200)
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingSpec
     cache_salt: str | None = None
-    kv_ids: list[str] = Field(min_length=1)  # one store id per prompt block, in order
+    kv_ids: list[str] = []
+    generated: list[int] = []
     wait_s: float = Field(default=120.0, gt=0)  # how long the pull waits for prefill
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.generated)
 
 
 class FirstToken(_Wire):
@@ -126,6 +138,15 @@ class TokenEvent(_Wire):
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
+class MigrateEvent(_Wire):
+    """Decode is draining: the stream ends here and continues on another instance,
+    which loads the first ``tokens`` of KV from ``kv_ids`` (the watermark)."""
+
+    event: Literal["migrate"] = "migrate"
+    tokens: int
+    kv_ids: list[str]
+
+
 class ErrorEvent(_Wire):
     event: Literal["error"] = "error"
     code: str
@@ -133,7 +154,8 @@ class ErrorEvent(_Wire):
 
 
 Event = Annotated[
-    Accepted | FirstTokenEvent | Committed | TokenEvent | ErrorEvent, Field(discriminator="event")
+    Accepted | FirstTokenEvent | Committed | TokenEvent | MigrateEvent | ErrorEvent,
+    Field(discriminator="event"),
 ]
 EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
 

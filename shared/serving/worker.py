@@ -28,8 +28,8 @@ from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
-from shared.engine.engine import Engine, RequestOutput, RequestTimings
-from shared.engine.engine_loop import EngineLoop
+from shared.engine.engine import Engine, RequestTimings
+from shared.engine.engine_loop import EngineLoop, Output, next_output
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.request import TokenLogprobs
 from shared.kvstore.client import KVStoreClient
@@ -38,7 +38,7 @@ from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.logs import request_id_var
 from shared.service import service_app
 from shared.serving.background import Background
-from shared.serving.errors import classify, error_response
+from shared.serving.errors import ServiceError, classify, error_response
 from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import (
     REQUEST_ID_HEADER,
@@ -60,6 +60,9 @@ class WorkerSettings(BaseSettings):
     port: int = Field(default=0, ge=0, le=65535)
     instance_id: str = ""
     kv_wait_s: float = Field(default=120.0, gt=0)
+    # SIGTERM: stop taking requests, finish (prefill) or move (decode) the ones here,
+    # and exit once none is left or after this long
+    drain_timeout_s: float = Field(default=30.0, gt=0)
 
     def resolved_id(self, role: str) -> str:
         return self.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -118,6 +121,7 @@ class Worker:
         self._connector: KVStoreConnector | None = None
         self._loop: EngineLoop | None = None
         self.heartbeat: Heartbeat | None = None
+        self.draining = False
         self.in_flight: dict[str, Any] = {}
         self.background = Background()
 
@@ -228,6 +232,31 @@ class Worker:
             **self.load(),
         }
 
+    def admit(self) -> None:
+        """Refuse new requests once draining (the gateway tries another instance)."""
+        if self.draining:
+            raise ServiceError(503, f"{self.role} {self.instance_id} is draining", code="draining")
+
+    async def drain(self) -> None:
+        """SIGTERM: leave membership (no new requests come), hand over or finish the
+        requests here, and return once none is left or after ``drain_timeout_s``."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("%s %s draining %d requests", self.role, self.instance_id, len(self.in_flight))
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(deregister=True)
+        self.release_requests()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning("drain timed out with %d requests left", len(self.in_flight))
+
+    def release_requests(self) -> None:
+        """Draining: make the requests here end soon (a role that can hand requests over
+        does it here; by default they finish where they are)."""
+
     async def stop(self) -> None:
         if self.heartbeat is not None:
             await self.heartbeat.stop(deregister=True)
@@ -266,13 +295,11 @@ class TokenStream:
     finish_reason: str | None = None
     timings: RequestTimings | None = None  # the engine's, once finished
 
-    async def events(
-        self, outputs: asyncio.Queue[RequestOutput | None]
-    ) -> AsyncIterator[TokenEvent]:
+    async def events(self, outputs: asyncio.Queue[Output]) -> AsyncIterator[TokenEvent]:
+        """Raises :class:`~shared.engine.engine_loop.StreamInterrupted` when the loop
+        interrupted the request."""
         while self.finish_reason is None:
-            out = await outputs.get()
-            if out is None:
-                raise RuntimeError("the engine stopped")
+            out = await next_output(outputs)
             self.generated = out.num_output_tokens
             lps: list[TokenLogprobs | None] = list(out.new_logprobs)
             lps += [None] * (len(out.new_token_ids) - len(lps))
@@ -331,9 +358,11 @@ def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        up = worker._loop is not None and worker.loop.alive
+        up = worker._loop is not None and worker.loop.alive and not worker.draining
         redis_ok = worker.heartbeat is not None and worker.heartbeat.healthy
         status = "ready" if up and redis_ok else ("degraded" if up else "starting")
+        if worker.draining:
+            status = "draining"
         body = {"status": status, "redis": redis_ok, "instance_id": worker.instance_id}
         return JSONResponse(body, status_code=200 if up else 503)
 

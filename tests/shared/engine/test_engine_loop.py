@@ -8,7 +8,7 @@ import os
 import pytest
 
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import EngineLoop
+from shared.engine.engine_loop import EngineLoop, next_output
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
 
@@ -34,8 +34,7 @@ async def test_outputs_arrive_in_order_and_match_a_plain_engine(
         for q in queues:
             tokens: list[int] = []
             while True:
-                out = await asyncio.wait_for(q.get(), 60)
-                assert out is not None
+                out = await asyncio.wait_for(next_output(q), 60)
                 tokens += out.new_token_ids
                 if out.finished:
                     break

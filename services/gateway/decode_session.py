@@ -1,0 +1,198 @@
+"""The decode phase of one request, across decode instances (mid-stream failover).
+
+Tokens come from the current decode instance. When it dies (its stream breaks),
+hangs (it left membership: missed heartbeats; or no progress for
+``progress_timeout_s``) or drains (it ends the stream with ``migrate``), the
+request resumes on another instance: it loads the KV stored up to the
+request's replication watermark, recomputes the few tokens past it, and goes
+on from the last token the client got. Sampling is keyed by request seed and
+token position, so the client sees no duplicated, no missing and no different
+token. Only when no decode instance is left for ``failover_timeout_s`` does the
+request end with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Pick, Router
+from services.gateway.worker_stream import LOST, WorkerStream
+from shared.cluster.watermarks import Watermark, Watermarks
+from shared.serving.background import Background
+from shared.serving.errors import ServiceError
+from shared.serving.protocol import DecodeRequest, MigrateEvent, TokenEvent, WireToken
+
+log = logging.getLogger(__name__)
+HANG_CHECK_S = 0.25  # how often a silent stream's instance is checked for liveness
+RETRY_S = 0.5  # between attempts to find a decode instance to resume on
+
+
+@dataclass(frozen=True)
+class Token:
+    token: WireToken
+    finish_reason: str | None
+
+
+OpenDecode = Callable[[DecodeRequest, set[str]], Awaitable[tuple[Pick, WorkerStream]]]
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    progress_timeout_s: float = 60.0  # no event for this long from a live instance: hung
+    failover_timeout_s: float = 60.0  # give up when no instance took the request for this long
+
+
+class _Interrupted(Exception):
+    def __init__(self, reason: str, migrate: MigrateEvent | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.migrate = migrate
+
+
+@dataclass
+class DecodeSession:
+    request_id: str
+    body: DecodeRequest  # what the first instance got (prompt, sampling, prompt KV ids)
+    pick: Pick
+    stream: WorkerStream
+    open_decode: OpenDecode
+    router: Router
+    watermarks: Watermarks
+    metrics: GatewayMetrics
+    background: Background
+    policy: FailoverPolicy = FailoverPolicy()
+    generated: list[int] = field(default_factory=list)  # what the client has
+    resumes: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        """The request's id on the current instance (its watermark's key)."""
+        return self.body.request_id if not self.resumes else f"{self.request_id}.d{self.resumes}"
+
+    async def tokens(
+        self, first: WireToken, sent: asyncio.Task[None] | None
+    ) -> AsyncGenerator[Token, None]:
+        """The tokens after ``first`` (already with the client; ``sent``: its delivery
+        to the first instance, which may fail like the instance itself)."""
+        self.generated = [first.id]
+        lost_at: float | None = None
+        while True:
+            try:
+                if sent is not None:
+                    await self._first_delivered(sent)
+                    sent = None
+                async for token in self._read():
+                    if lost_at is not None:
+                        self.metrics.resume_gap.observe(time.perf_counter() - lost_at)
+                        lost_at = None
+                    self.generated.append(token.token.id)
+                    yield token
+                    if token.finish_reason is not None:
+                        return
+            except _Interrupted as stop:
+                sent = None
+                lost_at = lost_at or time.perf_counter()
+                await self._resume(stop)
+
+    async def _first_delivered(self, sent: asyncio.Task[None]) -> None:
+        try:
+            await sent
+        except ServiceError as exc:
+            if exc.code != LOST:
+                raise
+            raise _Interrupted("lost") from exc
+
+    async def _read(self) -> AsyncGenerator[Token, None]:
+        last = time.monotonic()
+        while True:
+            try:
+                event = await self.stream.next(HANG_CHECK_S)
+            except TimeoutError:
+                if not self._alive():
+                    raise _Interrupted("hung") from None
+                if time.monotonic() - last > self.policy.progress_timeout_s:
+                    raise _Interrupted("stalled") from None
+                continue
+            except ServiceError as exc:
+                if exc.code != LOST:
+                    raise
+                raise _Interrupted("lost") from exc
+            last = time.monotonic()
+            if isinstance(event, MigrateEvent):
+                raise _Interrupted("migrated", event)
+            if not isinstance(event, TokenEvent):
+                raise ServiceError(502, f"decode sent {event.event} instead of a token")
+            yield Token(event.token, event.finish_reason)
+
+    def _alive(self) -> bool:
+        iid = self.pick.member.instance_id
+        return any(m.instance_id == iid for m in self.router.live("decode"))
+
+    async def _resume(self, stop: _Interrupted) -> None:
+        """Continue on another decode instance from the stored KV."""
+        dead = self.pick.member
+        self.metrics.failovers.labels(stop.reason).inc()
+        self.pick.done()
+        if stop.reason != "migrated":
+            self.router.bench(dead)
+        self.background.spawn(self.stream.aclose(), f"close:{self.body.request_id}")
+        mark = await self._watermark(stop)
+        body = self._resumed(mark)
+        log.warning(
+            "decode %s %s after %d tokens; resuming with %d tokens of KV stored",
+            dead.instance_id,
+            stop.reason,
+            len(self.generated),
+            len(body.kv_ids) * self._block_size(),
+        )
+        deadline = time.monotonic() + self.policy.failover_timeout_s
+        tried = {dead.instance_id}
+        while True:
+            try:
+                self.pick, self.stream = await self.open_decode(body, tried)
+                return
+            except ServiceError as exc:
+                if exc.status != 503 or time.monotonic() > deadline:
+                    raise ServiceError(
+                        503,
+                        f"decode {dead.instance_id} {stop.reason} and no decode instance took "
+                        f"the request over: {exc}",
+                        code="no_live_instance",
+                    ) from exc
+                await asyncio.sleep(RETRY_S)
+                tried = {dead.instance_id}  # others may have come back meanwhile
+
+    async def _watermark(self, stop: _Interrupted) -> Watermark | None:
+        if stop.migrate is not None:
+            m = stop.migrate
+            return Watermark(instance_id="", tokens=m.tokens, block_ids=m.kv_ids)
+        return await self.watermarks.read(self.worker_id)
+
+    def _block_size(self) -> int:
+        return self.router.block_size or 16
+
+    def _resumed(self, mark: Watermark | None) -> DecodeRequest:
+        """The request for the next instance: the tokens the client has, and the blocks
+        stored up to the watermark (else the prompt's blocks prefill stored)."""
+        bs = self._block_size()
+        total = len(self.body.prompt_token_ids) + len(self.generated)
+        if mark is not None and mark.block_ids:
+            ids, tokens = mark.block_ids, mark.tokens
+        else:
+            prompt_blocks = len(self.body.prompt_token_ids) // bs
+            ids, tokens = self.body.kv_ids[:prompt_blocks], prompt_blocks * bs
+        usable = min(tokens, total - 1, len(ids) * bs) // bs
+        self.metrics.recomputed_tokens.inc(total - usable * bs)
+        self.resumes += 1
+        return self.body.model_copy(
+            update={
+                "request_id": self.worker_id,
+                "kv_ids": list(ids[:usable]),
+                "generated": list(self.generated),
+            }
+        )
