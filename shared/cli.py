@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="prefill replicas")
     up.add_argument("--decode", type=int, default=1, help="decode replicas")
     up.add_argument("--kvstore", type=int, default=1, help="KV store nodes")
+    up.add_argument(
+        "--kv-replicas",
+        type=int,
+        default=1,
+        help="store nodes each KV block is written to (a node can die without losing any; "
+        "same as BATON_REPLICATION; starts at least as many store nodes)",
+    )
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument("--prefill-port", type=int, default=8100, help="first prefill port")
     up.add_argument("--decode-port", type=int, default=8200, help="first decode port")
@@ -191,21 +198,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.launcher import (
-        DEFAULT_PORTS,
-        KVSTORE_DATA_PORT,
-        LocalCluster,
-        Topology,
-        run_until_signalled,
-    )
+    from shared.launcher import DEFAULT_PORTS, KVSTORE_DATA_PORT, LocalCluster, Topology
     from shared.model.registry import resolve
+    from shared.supervisor import run_until_signalled
 
     settings = _settings(args)
     if args.colocated:
         args.prefill, args.decode, args.kvstore = 0, 0, 0
-    for name in ("threads",) if args.colocated else ("prefill", "decode", "kvstore", "threads"):
+    if not args.colocated:
+        args.kvstore = max(args.kvstore, args.kv_replicas)
+    names = ("prefill", "decode", "kvstore", "threads", "kv_replicas")
+    for name in ("threads",) if args.colocated else names:
         if getattr(args, name) < 1:
-            raise InvalidRequestError(f"--{name} must be at least 1")
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
     resolve(settings.model, settings.cache_dir, progress=True)  # pull once, before the workers
     first = {
         "prefill": args.prefill_port,
@@ -243,6 +248,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             cpus=cpus,
             engine_cpus=engine_cpus,
             prefix_caching=not args.no_prefix_cache,
+            replication=args.kv_replicas,
             extra_env={"BATON_CACHE_DIR": str(settings.cache_dir)},
         )
 

@@ -11,14 +11,9 @@ default port inside its own container.
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 from shared.procs import RedisProcess, ServiceProcess
 
@@ -81,6 +76,7 @@ class Topology:
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
     prefix_caching: bool = True  # False: no KV reuse anywhere (a baseline for caching)
+    replication: int = 1  # KV store nodes each block is written to
     cpus: dict[str, str] = field(default_factory=dict)  # role -> CPU list, e.g. {"prefill": "0"}
     # role -> CPUs of the engine thread alone (the rest of the process stays on `cpus`)
     engine_cpus: dict[str, str] = field(default_factory=dict)
@@ -95,6 +91,10 @@ def plan(topo: Topology) -> list[ServiceSpec]:
         common["BATON_DTYPE"] = topo.dtype
     if not topo.prefix_caching:
         common["BATON_ENABLE_PREFIX_CACHING"] = "false"
+    if topo.replication > 1:
+        if topo.kvstore < topo.replication:
+            raise ValueError(f"{topo.replication} replicas need as many KV store nodes")
+        common["BATON_REPLICATION"] = str(topo.replication)
     common.update(topo.extra_env)
     specs: list[ServiceSpec] = []
 
@@ -219,31 +219,3 @@ class LocalCluster:
                 if spec.role == role and proc is not None:
                     proc.stop()
         self.redis.stop()
-
-
-def run_until_signalled(cluster: LocalCluster) -> int:
-    """``baton up``: start, print the URL, wait for Ctrl-C / SIGTERM, stop cleanly."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    t0 = time.perf_counter()
-    cluster.start()  # Ctrl-C here interrupts start-up, which tears down what started
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(
-        f"baton: cluster up in {time.perf_counter() - t0:.1f} s; "
-        f"OpenAI API at {cluster.gateway_url}/v1 (redis {cluster.redis.url}); Ctrl-C stops",
-        flush=True,
-    )
-    try:
-        while not stop.wait(1.0):
-            dead = [n for n, p in cluster.procs.items() if not p.alive]
-            if dead:
-                print(f"baton: {', '.join(dead)} exited; stopping", file=sys.stderr, flush=True)
-                return 1
-        return 0
-    finally:
-        print("baton: stopping", flush=True)
-        cluster.stop()

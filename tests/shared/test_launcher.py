@@ -1,5 +1,6 @@
 """``baton up`` as a user runs it: the whole local cluster from one command, its output
-prefixed by instance, an OpenAI API at the printed URL, a clean stop on SIGTERM."""
+prefixed by instance, an OpenAI API at the printed URL, a child that dies restarted
+(the cluster stays up), a clean stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -55,6 +56,22 @@ def test_baton_up_serves_and_stops_cleanly(cache_dir: Path) -> None:
             timeout=120,
         )
         assert r.status_code == 200, r.text
+        decode = next(c for c in children if "services.decode" in " ".join(c.cmdline()))
+        decode.kill()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            r = httpx.post(
+                url.group(1) + "/v1/completions",
+                json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 3},
+                timeout=120,
+            )
+            if r.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
+        assert any("decode-0 killed by SIGKILL; restarting" in line for line in lines), lines
+        assert proc.poll() is None  # the cluster stayed up
+        children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
