@@ -12,6 +12,11 @@ every ``refresh_s``). Placement: each block's replicas are the first
 - :meth:`KVStoreClient.stream` delivers layers as they are written (the
   decode side pulling while prefill still computes).
 
+A node that fails at the transport level (its process died) is skipped for
+``down_s`` (membership drops it within its heartbeat TTL): puts and leases
+that met it are retried on the remaining ranking, so with two replicas the
+loss of one node fails no operation.
+
 Ownership: the caller's buffers are read (puts) or written (gets) only while
 the awaited call runs; they are safe to reuse when it returns.
 """
@@ -65,6 +70,7 @@ class PutHandle:
     num_layers: int
     sizes: dict[str, int]
     targets: dict[str, tuple[NodeClient, list[str]]]  # node id -> (node, ids it must receive)
+    on_down: Callable[[NodeClient], None] = field(default=lambda node: None)
     done: bool = field(default=False)
 
     def _check(self) -> None:
@@ -106,6 +112,8 @@ class PutHandle:
                 raise result
         if not failed:
             return
+        for node_id in failed:
+            self.on_down(self.targets[node_id][0])
         dropped = {i for n in failed for i in self.targets.pop(n)[1]}
         kept = {i for _, ids in self.targets.values() for i in ids}
         lost = sorted(dropped - kept)
@@ -140,6 +148,7 @@ class KVStoreClient:
         client_id: str | None = None,
         timeout_s: float = 30.0,
         refresh_s: float = 1.0,
+        down_s: float = 3.0,
     ):
         self.transport = transport
         self.redis = redis
@@ -148,6 +157,8 @@ class KVStoreClient:
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
+        self.down_s = down_s
+        self._down: dict[str, float] = {}  # instance id -> skipped until (monotonic)
         self._nodes: dict[str, NodeClient] = {}
         self._retired: list[NodeClient] = []  # replaced clients whose idle connections to close
         self._live: list[NodeClient] = []
@@ -169,7 +180,27 @@ class KVStoreClient:
                 retired, self._retired = self._retired, []
                 for node in retired:
                     await node.close()
-        return list(self._live)
+        now = time.monotonic()
+        return [n for n in self._live if self._down.get(n.instance_id, 0.0) <= now]
+
+    def mark_down(self, node: NodeClient) -> None:
+        """Skip ``node`` for ``down_s``: it failed at the transport level."""
+        if self._down.get(node.instance_id, 0.0) <= time.monotonic():
+            log.warning("KV store node %s is unreachable; skipping it", node.instance_id)
+        self._down[node.instance_id] = time.monotonic() + self.down_s
+
+    def _transport_failures(
+        self, nodes: Sequence[NodeClient], results: Sequence[object]
+    ) -> list[TransportError]:
+        """Mark the nodes whose result is a transport error down; raise any other error."""
+        failed = []
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, TransportError):
+                self.mark_down(node)
+                failed.append(result)
+            elif isinstance(result, BaseException):
+                raise result
+        return failed
 
     def _node(self, member: Member) -> NodeClient:
         """The client of ``member``'s process: kept (with its pooled connections) across
@@ -194,6 +225,15 @@ class KVStoreClient:
     async def begin_put(
         self, ids: Sequence[str], sizes: Sequence[int], *, num_layers: int, ttl_s: float = 30.0
     ) -> PutHandle:
+        while True:
+            handle, failed = await self._reserve(ids, sizes, num_layers, ttl_s)
+            if not failed:
+                return handle
+            await handle.revoke()  # and again on the ranking without the failed nodes
+
+    async def _reserve(
+        self, ids: Sequence[str], sizes: Sequence[int], num_layers: int, ttl_s: float
+    ) -> tuple[PutHandle, list[TransportError]]:
         ranked = await self._ranked(ids)
         per_node: dict[str, list[BlockSpec]] = defaultdict(list)
         node_by_id: dict[str, NodeClient] = {}
@@ -201,7 +241,7 @@ class KVStoreClient:
             for node in ranked[block_id][: self.replication]:
                 per_node[node.instance_id].append(BlockSpec(id=block_id, size=size))
                 node_by_id[node.instance_id] = node
-        handle = PutHandle(num_layers, dict(zip(ids, sizes, strict=True)), {})
+        handle = PutHandle(num_layers, dict(zip(ids, sizes, strict=True)), {}, self.mark_down)
 
         async def reserve(node_id: str, specs: list[BlockSpec]) -> None:
             node = node_by_id[node_id]
@@ -212,34 +252,42 @@ class KVStoreClient:
         results = await asyncio.gather(
             *(reserve(n, specs) for n, specs in per_node.items()), return_exceptions=True
         )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
+        try:
+            failed = self._transport_failures([node_by_id[n] for n in per_node], results)
+        except BaseException:
             await handle.revoke()
-            raise failures[0]
-        return handle
+            raise
+        return handle, failed
 
     async def put(
         self, ids: Sequence[str], blocks: Sequence[Buffer], *, num_layers: int = 1
     ) -> None:
-        """Whole blocks to every replica, one round trip per node (reserve+write+commit)."""
-        ranked = await self._ranked(ids)
-        per_node: dict[str, list[int]] = defaultdict(list)
-        nodes: dict[str, NodeClient] = {}
-        for pos, block_id in enumerate(ids):
-            for node in ranked[block_id][: self.replication]:
-                per_node[node.instance_id].append(pos)
-                nodes[node.instance_id] = node
+        """Whole blocks to every replica, one round trip per node (reserve+write+commit).
+
+        A node that fails is skipped and the put is made again on the new ranking
+        (replicas that have a block already keep it)."""
         views = [as_bytes_view(b) for b in blocks]
-        await asyncio.gather(
-            *(
-                nodes[n].put(
-                    [BlockSpec(id=ids[p], size=views[p].nbytes) for p in positions],
-                    [views[p] for p in positions],
-                    num_layers,
-                )
-                for n, positions in per_node.items()
+        while True:
+            ranked = await self._ranked(ids)
+            per_node: dict[str, list[int]] = defaultdict(list)
+            nodes: dict[str, NodeClient] = {}
+            for pos, block_id in enumerate(ids):
+                for node in ranked[block_id][: self.replication]:
+                    per_node[node.instance_id].append(pos)
+                    nodes[node.instance_id] = node
+            results = await asyncio.gather(
+                *(
+                    nodes[n].put(
+                        [BlockSpec(id=ids[p], size=views[p].nbytes) for p in positions],
+                        [views[p] for p in positions],
+                        num_layers,
+                    )
+                    for n, positions in per_node.items()
+                ),
+                return_exceptions=True,
             )
-        )
+            if not self._transport_failures([nodes[n] for n in per_node], results):
+                return
 
     # ----- reads ----------------------------------------------------------
     async def get(
@@ -276,7 +324,9 @@ class KVStoreClient:
                 return_exceptions=True,
             )
             pending = []
-            for group, result in zip(groups.values(), results, strict=True):
+            for (node_id, group), result in zip(groups.items(), results, strict=True):
+                if isinstance(result, TransportError):
+                    self.mark_down(nodes[node_id])
                 if isinstance(result, KVMissError | TransportError):
                     last_error = result
                     for block_id in group:
@@ -346,6 +396,8 @@ class KVStoreClient:
             while len(done) < len(ids) or next_layer < num_layers:
                 positions, layer, error = await events.get()
                 if error is not None:
+                    if isinstance(error, TransportError):
+                        self.mark_down(ranked[ids[positions[0]]][rank_of[positions[0]]])
                     retry = isinstance(error, TransportError | KVMissError) and all(
                         rank_of[p] + 1 < min(len(ranked[ids[p]]), self.replication)
                         for p in positions
@@ -382,29 +434,44 @@ class KVStoreClient:
     async def lease(self, ids: Sequence[str], ttl_s: float = 30.0) -> LeaseSet:
         """Pin ``ids`` against eviction on every replica that holds them.
 
-        The first-ranked holders must have the blocks (else KVMissError); other
-        replicas are pinned where they hold them, so a read that falls back
-        after a node loss still finds its blocks.
+        The first-ranked live holders must have the blocks (else KVMissError);
+        other replicas are pinned where they hold them, so a read that falls
+        back after a node loss still finds its blocks. A node that fails is
+        skipped and the lease taken again on the new ranking.
         """
-        ranked = await self._ranked(ids)
-        leases = LeaseSet([])
-        try:
-            for r in range(self.replication):
-                groups: dict[str, list[str]] = defaultdict(list)
-                for block_id in ids:
-                    if r < len(ranked[block_id]):
-                        groups[ranked[block_id][r].instance_id].append(block_id)
-                for group in groups.values():
-                    node = ranked[group[0]][r]
-                    try:
-                        leases.held.append((node, await node.lease(group, ttl_s)))
-                    except (KVMissError, TransportError):
-                        if r == 0:
-                            raise
-        except BaseException:
+        while True:
+            leases = LeaseSet([])
+            try:
+                if await self._lease_ranked(ids, ttl_s, leases):
+                    return leases
+            except BaseException:
+                await leases.release()
+                raise
             await leases.release()
-            raise
-        return leases
+
+    async def _lease_ranked(self, ids: Sequence[str], ttl_s: float, leases: LeaseSet) -> bool:
+        """Lease on the current ranking; False when a node failed (marked down)."""
+        ranked = await self._ranked(ids)
+        covered: set[str] = set()
+        for r in range(self.replication):
+            groups: dict[str, list[str]] = defaultdict(list)
+            for block_id in ids:
+                if r < len(ranked[block_id]):
+                    groups[ranked[block_id][r].instance_id].append(block_id)
+            for group in groups.values():
+                node = ranked[group[0]][r]
+                try:
+                    leases.held.append((node, await node.lease(group, ttl_s)))
+                except TransportError:
+                    self.mark_down(node)
+                    return False
+                except KVMissError:
+                    continue  # another replica may hold them (a restarted node is empty)
+                covered.update(group)
+        missing = [i for i in ids if i not in covered]
+        if missing:
+            raise KVMissError(f"{len(missing)} blocks are held by no live store node", missing)
+        return True
 
     async def close(self) -> None:
         for node in [*self._retired, *self._nodes.values()]:

@@ -291,9 +291,25 @@ async def test_replicated_blocks_survive_a_store_node_kill(
     assert sum(held.values()) == 2 * len(keys)
     victim = max(nodes, key=lambda n: held[n.instance_id])
     victim.proc.kill()
+    # the dead node is still registered (TTL): leases, reads and new puts go around it
+    fresh = make_client(transport, p, replication=2, timeout_s=5.0)
+    lease = await fresh.lease(keys)
     out = [np.zeros(size, np.uint8) for _ in keys]
-    await client.get(keys, out)  # the dead node is still registered (TTL): reads fall back
+    await fresh.get(keys, out)
     assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+    await lease.release()
+    more, more_data = ids(8), blocks(8, size)
+    await make_client(transport, p, replication=2, timeout_s=5.0).put(more, more_data)
+    two_phase, two_phase_data = ids(4), blocks(4, size)
+    handle = await make_client(transport, p, replication=2, timeout_s=5.0).begin_put(
+        two_phase, [size] * 4, num_layers=1
+    )
+    await handle.write(two_phase, two_phase_data)
+    await handle.commit()
+    live = [n for n in await fresh.nodes(force=True) if n.instance_id != victim.instance_id]
+    after = sum([(await n.ping())["blocks_held"] for n in live])
+    before = sum(held[n.instance_id] for n in live)
+    assert after - before == 2 * (len(more) + len(two_phase))  # two live replicas each
 
 
 async def test_http_control_plane_and_clean_shutdown(
