@@ -72,6 +72,9 @@ DEFAULT_UCX_OPTIONS = {
     "TCP_TX_SEG_SIZE": "4M",
     "TCP_RX_SEG_SIZE": "4M",
     "WARN_UNUSED_ENV_VARS": "n",
+    # a restarted listener binds its port while the old connections sit in TIME_WAIT
+    # (SO_REUSEADDR; a port another process listens on is still refused)
+    "CM_REUSEADDR": "y",
 }
 
 

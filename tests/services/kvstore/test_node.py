@@ -440,3 +440,23 @@ async def test_replicated_put_and_stream_survive_a_node_kill_mid_transfer(
     await asyncio.wait_for(task, 30)
     assert seen == list(range(layers))
     assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_killed_node_restarts_on_its_ports_at_once(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """Its old connections sit in TIME_WAIT; the restarted listener still binds."""
+    p = prefix()
+    node = start_store(transport, p)
+    client = make_client(transport, p)
+    keys, data = ids(8), blocks(8, 4096)
+    await client.put(keys, data)
+    out = [np.zeros(4096, np.uint8) for _ in keys]
+    await client.get(keys, out)
+    node.proc.kill()
+    node.proc.start().wait_ready()
+    fresh = make_client(transport, p)
+    await fresh.put(keys, data)
+    await fresh.get(keys, out)
+    assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
