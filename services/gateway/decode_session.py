@@ -100,8 +100,18 @@ class DecodeSession:
                 await self._resume(stop)
 
     async def _first_delivered(self, sent: asyncio.Task[None]) -> None:
+        """The first token reached the instance; a hung one is given up like in _read."""
+        started = time.monotonic()
+        while not sent.done():
+            await asyncio.wait({sent}, timeout=HANG_CHECK_S)
+            if sent.done():
+                break
+            stalled = time.monotonic() - started > self.policy.progress_timeout_s
+            if stalled or not self._alive():
+                sent.cancel()
+                raise _Interrupted("stalled" if stalled else "hung")
         try:
-            await sent
+            sent.result()
         except ServiceError as exc:
             if exc.code != LOST:
                 raise
