@@ -66,7 +66,12 @@ class Decoder(Worker):
         self.decode_metrics = DecodeMetrics(self.metrics)
 
     def make_connector(self) -> KVStoreConnector:
-        connector = KVStoreConnector(self.kv, self.connector_metrics, caching=self.caching)
+        connector = KVStoreConnector(
+            self.kv,
+            self.connector_metrics,
+            caching=self.caching,
+            replicate=self.settings.replicate,
+        )
         connector.tasks.watermarks = Watermarks(self.redis, self.keys)
         connector.tasks.instance_id = self.instance_id
         return connector

@@ -13,4 +13,7 @@ class DecodeSettings(WorkerSettings):
 
     port: int = Field(default=8200, ge=0, le=65535)
     first_token_timeout_s: float = Field(default=300.0, gt=0)
+    # write every block a request completes to the KV store, with a watermark in Redis,
+    # so a stream resumes elsewhere without recomputing (off: failover recomputes)
+    replicate: bool = True
     colocated: bool = False  # serve whole requests (both phases): the colocated baseline

@@ -73,6 +73,8 @@ class Prefiller(Worker):
             caching=self.caching,
             pull_policy=self.settings.pull_policy,
             put_ttl_s=self.settings.put_ttl_s,
+            replicate=False,
+            staging_blocks=0,  # prefill writes prompts from the pool; it never replicates
         )
 
     def engine_config(self) -> EngineConfig:

@@ -83,6 +83,7 @@ class KVStoreConnector(KVConnector):
         metrics: ConnectorMetrics,
         *,
         caching: bool,
+        replicate: bool = True,
         pull_policy: PullPolicy = "auto",
         put_ttl_s: float = 300.0,
         load_timeout_s: float = 180.0,
@@ -91,6 +92,7 @@ class KVStoreConnector(KVConnector):
         self.kv = kv
         self.metrics = metrics
         self.caching = caching
+        self.replicate = replicate
         self.pull_policy = pull_policy
         self.put_ttl_s = put_ttl_s
         self.load_timeout_s = load_timeout_s
@@ -162,13 +164,14 @@ class KVStoreConnector(KVConnector):
 
     def plan_decode(self, store_ids: Sequence[str], tokens: int, wait_s: float) -> StorePlan:
         """The request's first ``tokens`` of KV come from the store (as prefill writes
-        them, or as an earlier decode replicated them); what it computes is replicated."""
+        them, or as an earlier decode replicated them); what it computes is replicated
+        unless replication is off."""
         return StorePlan(
             load_ids=list(store_ids),
             load_tokens=tokens,
             asynchronous=True,
             wait_s=wait_s,
-            replicate=True,
+            replicate=self.replicate,
         )
 
     async def final_watermark(self, request_id: str) -> Watermark | None:
