@@ -31,28 +31,25 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.bench_cluster import bench_cluster
 from benchmarks.results import save_json
 from shared.bench import prefix_trace
 from shared.bench import workload as wl
 from shared.bench.metrics import RequestResult, summarize
 from shared.bench.report import RunReport, text_summary
 from shared.bench.runner import Target, run_conversations, run_open_loop
-from shared.launcher import LocalCluster, Topology
-from shared.procs import free_port
+from shared.launcher import LocalCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@contextmanager
 def cluster(
     args: argparse.Namespace,
     caching: bool,
@@ -61,32 +58,12 @@ def cluster(
     decode: int = 2,
     kvstore_gb: float = 2.0,
     **env: str,
-) -> Iterator[LocalCluster]:
+) -> AbstractContextManager[LocalCluster]:
     """The cluster; ``args.logs`` keeps its services' logs (info level) there."""
-
-    def topology(redis_url: str) -> Topology:
-        return Topology(
-            redis_url=redis_url,
-            prefill=prefill,
-            decode=decode,
-            gateway_port=free_port(),
-            ports=lambda role, i: free_port(),
-            transport="ucx",
-            threads=1,
-            kv_cache_gb=1.0,
-            kvstore_gb=kvstore_gb,
-            prefix_caching=caching,
-            extra_env={"BATON_LOG_LEVEL": "info" if args.logs else "warning", **env},
-        )
-
-    with tempfile.TemporaryDirectory(prefix="baton-caching-") as scratch:
-        logs = Path(scratch) if args.logs is None else args.logs / time.strftime("%H%M%S")
-        logs.mkdir(parents=True, exist_ok=True)
-        local = LocalCluster(topology, log_dir=logs).start()
-        try:
-            yield local
-        finally:
-            local.stop()
+    return bench_cluster(
+        args.logs, "caching", env, prefill=prefill, decode=decode, kv_cache_gb=1.0,
+        kvstore_gb=kvstore_gb, prefix_caching=caching,
+    )  # fmt: skip
 
 
 def cpu_seconds(local: LocalCluster) -> dict[str, float]:

@@ -1,0 +1,303 @@
+"""Failover measured on the real cluster (2 prefill + 3 decode + KV store + Redis + the
+gateway, 1 torch thread per worker, a supervisor restarting what dies as ``baton up``
+does). Every stream is checked against the failure-free tokens computed in this
+process (greedy and seeded): a broken stream is an error or any token that differs.
+
+- ``chaos``: ``--rounds`` faults (``--fault kill|stop|term``) of the busiest decode
+  instance, each while ``--streams`` streams run; broken streams, and the client's
+  resume gap: fault to the next token of each stream in flight (the worst stream of
+  a round is the one that failed over), with the gateway's own resume-gap figure.
+- ``e2e``: one 512-in/256-out request, failure-free and with its decode instance
+  killed half-way, alternating; E2E killed over failure-free.
+- ``replication``: decode replication on and off (``BATON_DECODE_REPLICATE``), a
+  fresh cluster per round, alternating; TPOT on over off.
+- ``rolling``: every decode instance drained (SIGTERM) and restarted in turn under
+  steady load; broken streams.
+- ``store``: 2 store nodes, every block on both; one killed under load; failed requests.
+- ``redis``: Redis killed for ``--down`` seconds under load, then started again
+  empty; failed requests, and seconds until membership, the prompt index and
+  watermarks are back; then one SIGKILL of a decode instance (failover works again).
+
+    python -m benchmarks.failover_bench chaos --fault kill --rounds 20
+    python -m benchmarks.failover_bench e2e --rounds 3
+    python -m benchmarks.failover_bench replication --rounds 3
+    python -m benchmarks.failover_bench rolling
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.bench_cluster import bench_cluster
+from benchmarks.results import save_json
+from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
+from shared.bench import chaos
+from shared.bench.chaos import ChaosRequest, StreamResult
+from shared.config import BatonSettings, CacheConfig, EngineConfig, SchedulerConfig
+from shared.engine.engine import Engine
+from shared.launcher import LocalCluster
+from shared.model.loader import load_model
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@contextmanager
+def cluster(
+    args: argparse.Namespace, *, kvstore: int = 1, replication: int = 1, **env: str
+) -> Iterator[chaos.Supervised]:
+    """The cluster, with a supervisor restarting what dies (as ``baton up`` does)."""
+    with bench_cluster(
+        args.logs, "failover", env, prefill=2, decode=args.decode, kvstore=kvstore,
+        replication=replication, kv_cache_gb=0.5, kvstore_gb=1.0,
+    ) as local:  # fmt: skip
+        supervised = chaos.Supervised(local, say=print)
+        try:
+            yield supervised
+        finally:
+            supervised.pause()
+
+
+class Reference:
+    """The failure-free tokens, computed in this process by the same engine."""
+
+    def __init__(self) -> None:
+        loaded = load_model(
+            None, cache_dir=BatonSettings().cache_dir, dtype="float32", progress=False
+        )
+        config = EngineConfig(
+            cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(long_prefill_token_threshold=PREFILL_CHUNK_TOKENS),
+        )
+        self.engine = Engine(loaded, config)
+
+    def broken(self, results: list[StreamResult]) -> list[str]:
+        reqs = [r.request for r in results]
+        return chaos.broken(results, chaos.reference(self.engine, reqs))
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def gateway_resume_gap(url: str) -> dict[str, float]:
+    total = chaos.gateway_counter(url, "baton_resume_gap_seconds_sum")
+    count = chaos.gateway_counter(url, "baton_resume_gap_seconds_count")
+    return {"count": count, "mean_s": total / count if count else float("nan")}
+
+
+# -- chaos -----------------------------------------------------------------------------------
+def run_chaos(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    rounds: list[dict[str, Any]] = []
+    with cluster(args) as sup:
+        local = sup.local
+        for i in range(args.rounds):
+            chaos.settle(local)
+            reqs = chaos.make_requests(
+                rng, args.streams, prompt_len=(100, 300), max_tokens=args.output_len
+            )
+            run = asyncio.run(chaos.with_fault(local, MODEL, reqs, args.fault))
+            gaps = run.gaps()
+            bad = ref.broken(run.results)
+            rounds.append(
+                {"victim": run.victim, "broken": bad, "gaps_s": gaps, "worst_gap_s": max(gaps)}
+            )
+            print(f"round {i + 1}: {run.victim} {args.fault}: broken {len(bad)}, "
+                  f"worst gap {max(gaps):.3f}s", flush=True)  # fmt: skip
+        reason = chaos.FAULT_REASON[args.fault]
+        failovers = chaos.gateway_counter(
+            local.gateway_url, "baton_failovers_total", f'reason="{reason}"'
+        )
+        gateway_gap = gateway_resume_gap(local.gateway_url)
+    worst = [r["worst_gap_s"] for r in rounds]
+    every = [g for r in rounds for g in r["gaps_s"]]
+    return {
+        "fault": args.fault,
+        "rounds": len(rounds),
+        "streams": len(rounds) * args.streams,
+        "broken_streams": sum(len(r["broken"]) for r in rounds),
+        "failovers": failovers,
+        "resume_gap_worst_stream_s": {"p50": pct(worst, 0.5), "p99": pct(worst, 0.99),
+                                      "max": max(worst)},
+        "gap_every_stream_s": {"p50": pct(every, 0.5), "p99": pct(every, 0.99)},
+        "gateway_resume_gap": gateway_gap,
+        "per_round": rounds,
+    }  # fmt: skip
+
+
+# -- e2e of a killed request -----------------------------------------------------------------
+def run_e2e(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    clean: list[float] = []
+    killed: list[float] = []
+    bad: list[str] = []
+    with cluster(args) as sup:
+        local = sup.local
+        for _ in range(args.rounds):
+            for kill in (False, True):
+                chaos.settle(local)
+                req = chaos.make_requests(rng, 1, prompt_len=(512, 512), max_tokens=256)
+                if kill:
+                    run = asyncio.run(chaos.with_fault(local, MODEL, req, "kill", after_tokens=128))
+                    result = run.results[0]
+                else:
+                    result = asyncio.run(single(local, req[0]))
+                bad += ref.broken([result])
+                (killed if kill else clean).append(result.ended - result.started)
+    ratio = statistics.median(killed) / statistics.median(clean)
+    print(f"E2E 512-in/256-out: failure-free {statistics.median(clean):.3f}s, "
+          f"killed {statistics.median(killed):.3f}s, ratio {ratio:.3f}", flush=True)  # fmt: skip
+    return {"clean_s": clean, "killed_s": killed, "ratio_median": ratio, "broken": bad}
+
+
+async def single(local: LocalCluster, req: ChaosRequest) -> StreamResult:
+    async with httpx.AsyncClient(timeout=600) as http:
+        return await chaos.stream(http, local.gateway_url, MODEL, req)
+
+
+# -- replication on / off --------------------------------------------------------------------
+def tpot(results: list[StreamResult]) -> float:
+    """Mean time per output token after the first, over streams."""
+    per = [(r.stamps[-1] - r.stamps[0]) / (len(r.stamps) - 1) for r in results if len(r.stamps) > 1]
+    return statistics.mean(per)
+
+
+def run_replication(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    rounds = []
+    for i in range(args.rounds):
+        row: dict[str, float] = {}
+        for on in (True, False) if i % 2 == 0 else (False, True):
+            rng = random.Random(args.seed + i)
+            reqs = iter(chaos.make_requests(rng, 1000, prompt_len=(100, 300),
+                                            max_tokens=args.output_len))  # fmt: skip
+            with cluster(args, BATON_DECODE_REPLICATE=str(on).lower()) as sup:
+                local = sup.local
+                chaos.settle(local)
+                results = asyncio.run(
+                    chaos.under_load(
+                        local, MODEL, reqs, args.streams, lambda: asyncio.sleep(args.duration)
+                    )
+                )
+            if ref.broken(results):
+                raise RuntimeError(f"replication={on}: {ref.broken(results)}")
+            row["on" if on else "off"] = tpot(results)
+        row["ratio"] = row["on"] / row["off"]
+        print(f"round {i + 1}: TPOT on {row['on'] * 1e3:.2f} ms, off {row['off'] * 1e3:.2f} ms, "
+              f"ratio {row['ratio']:.3f}", flush=True)  # fmt: skip
+        rounds.append(row)
+    pooled = statistics.mean(r["on"] for r in rounds) / statistics.mean(r["off"] for r in rounds)
+    return {"rounds": rounds, "pooled_ratio": pooled}
+
+
+# -- rolling restart, a store node, Redis ----------------------------------------------------
+def load_requests(args: argparse.Namespace) -> Iterator[ChaosRequest]:
+    rng = random.Random(args.seed)
+    return iter(chaos.make_requests(rng, 1000, prompt_len=(100, 300), max_tokens=args.output_len))
+
+
+def run_rolling(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    with cluster(args) as sup:
+        local = sup.local
+        chaos.settle(local)
+        started = time.monotonic()
+        results = asyncio.run(
+            chaos.under_load(local, MODEL, load_requests(args), args.streams,
+                             lambda: chaos.rolling_restart(local))
+        )  # fmt: skip
+        migrated = chaos.gateway_counter(
+            local.gateway_url, "baton_failovers_total", 'reason="migrated"'
+        )
+    bad = ref.broken(results)
+    print(
+        f"rolling restart of {args.decode} decode instances in {time.monotonic() - started:.0f}s"
+        f": {len(results)} streams, {len(bad)} broken, {migrated:.0f} migrated",
+        flush=True,
+    )
+    return {"streams": len(results), "broken": bad, "migrated": migrated}  # fmt: skip
+
+
+def run_store(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    with cluster(args, kvstore=2, replication=2) as sup:
+        local = sup.local
+        chaos.settle(local)
+        results = asyncio.run(
+            chaos.under_load(local, MODEL, load_requests(args), args.streams,
+                             lambda: chaos.kill_instance(local, "kvstore-0", 10.0))
+        )  # fmt: skip
+    bad = ref.broken(results)
+    print(f"store node killed: {len(results)} requests, {len(bad)} failed", flush=True)
+    return {"requests": len(results), "broken": bad}
+
+
+def run_redis(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    back: dict[str, float] = {}
+    with cluster(args) as sup:
+        local = sup.local
+        chaos.settle(local)
+        members = len([s for s in local.specs if s.role != "gateway"])
+
+        async def outage() -> None:
+            back.update(await chaos.redis_outage(sup, args.down, members))
+
+        results = asyncio.run(
+            chaos.under_load(local, MODEL, load_requests(args), args.streams, outage)
+        )
+        chaos.settle(local)
+        rng = random.Random(args.seed + 1)
+        reqs = chaos.make_requests(
+            rng, args.streams, prompt_len=(100, 300), max_tokens=args.output_len
+        )
+        after = asyncio.run(chaos.with_fault(local, MODEL, reqs, "kill"))
+    bad = ref.broken(results)
+    bad_after = ref.broken(after.results)
+    print(f"Redis down {args.down:.0f}s: {len(results)} requests, {len(bad)} failed; back after "
+          f"{json.dumps({k: round(v, 2) for k, v in back.items()})}; a kill after it: "
+          f"{len(bad_after)} broken", flush=True)  # fmt: skip
+    return {"requests": len(results), "broken": bad, "recovery_s": back, "kill_after": bad_after}
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] = {
+    "chaos": run_chaos,
+    "e2e": run_e2e,
+    "replication": run_replication,
+    "rolling": run_rolling,
+    "store": run_store,
+    "redis": run_redis,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--fault", choices=["kill", "stop", "term"], default="kill")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--streams", type=int, default=4, help="concurrent streams")
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--decode", type=int, default=3, help="decode instances")
+    p.add_argument("--duration", type=float, default=30.0, help="replication: seconds of load")
+    p.add_argument("--down", type=float, default=10.0, help="seconds Redis is down")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logs", type=Path, default=None, help="keep service logs here")
+    p.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
+    args = p.parse_args()
+    result = SCENARIOS[args.scenario](args, Reference())
+    save_json(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
