@@ -11,8 +11,8 @@ process (greedy and seeded): a broken stream is an error or any token that diffe
   killed half-way, alternating; E2E killed over failure-free.
 - ``replication``: decode replication on and off (``BATON_DECODE_REPLICATE``), a
   fresh cluster per round, alternating; TPOT on over off.
-- ``rolling``: every decode instance drained (SIGTERM) and restarted in turn under
-  steady load; broken streams.
+- ``rolling``: every prefill and decode instance drained (SIGTERM) and restarted in
+  turn under steady load; broken streams.
 - ``store``: 2 store nodes, every block on both; one killed under load; failed requests.
 - ``redis``: Redis killed for ``--down`` seconds under load, then started again
   empty; failed requests, and seconds until membership, the prompt index and
@@ -216,7 +216,7 @@ def run_rolling(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
         started = time.monotonic()
         results = asyncio.run(
             chaos.under_load(local, MODEL, load_requests(args), args.streams,
-                             lambda: chaos.rolling_restart(local))
+                             lambda: chaos.rolling_restart(local, ("prefill", "decode")))
         )  # fmt: skip
         migrated = chaos.gateway_counter(
             local.gateway_url, "baton_failovers_total", 'reason="migrated"'

@@ -350,15 +350,15 @@ async def under_load(
         return await load.stop()
 
 
-async def rolling_restart(local: LocalCluster, role: str = "decode") -> None:
-    """Drain (SIGTERM) each instance of ``role`` in turn; the next once the supervisor
+async def rolling_restart(local: LocalCluster, roles: tuple[str, ...] = ("decode",)) -> None:
+    """Drain (SIGTERM) each instance of ``roles`` in turn; the next once the supervisor
     restarted the last one and it is ready."""
-    for spec in [s for s in local.specs if s.role == role]:
+    for spec in [s for role in roles for s in local.specs if s.role == role]:
         old = local.procs[spec.name].proc
         apply_fault(local, spec.name, "term")
         while local.procs[spec.name].proc is old:  # drained, exited, restarted
             await asyncio.sleep(0.2)
-        await asyncio.to_thread(wait_ready, local, role)
+        await asyncio.to_thread(wait_ready, local, spec.role)
 
 
 async def kill_instance(local: LocalCluster, name: str, hold_s: float) -> None:

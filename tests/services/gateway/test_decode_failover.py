@@ -1,4 +1,4 @@
-"""Failures under load through the real cluster (1 prefill, 3 decode, 2 KV store nodes
+"""Failures under load through the real cluster (2 prefill, 3 decode, 2 KV store nodes
 with every block on both, Redis, the gateway; a supervisor restarts what dies, as
 ``baton up`` does). Every stream completes with exactly the tokens of a failure-free
 run in one process, greedy and seeded, with no error and no duplicated or missing
@@ -6,8 +6,11 @@ token, when:
 
 - a decode instance is killed (SIGKILL), hung (SIGSTOP) or drained (SIGTERM) while
   it streams several requests;
-- every decode instance is drained and restarted in turn (a rolling restart);
+- every prefill and decode instance is drained and restarted in turn (a rolling
+  restart);
 - one of the two KV store nodes is killed;
+- (the one exception) every decode instance is gone: the stream ends with a clear
+  error once none came back within the failover timeout;
 - Redis is down for 10 s (and comes back empty: the services re-register and
   republish, and caching and failover work again).
 """
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterator
 
+import httpx
 import pytest
 
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
@@ -27,6 +32,7 @@ from shared.bench.chaos import (
     Fault,
     StreamResult,
     Supervised,
+    apply_fault,
     broken,
     gateway_counter,
     kill_instance,
@@ -35,6 +41,7 @@ from shared.bench.chaos import (
     reference,
     rolling_restart,
     settle,
+    stream,
     under_load,
     with_fault,
 )
@@ -44,13 +51,14 @@ from tests.conftest import EngineFactory
 from tests.services.conftest import MODEL, start_cluster
 
 MAX_TOKENS = 96
+FAILOVER_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
     local = start_cluster(
-        tmp_path_factory.mktemp("failover"), prefill=1, decode=3, kvstore=2,
-        BATON_REPLICATION="2",
+        tmp_path_factory.mktemp("failover"), prefill=2, decode=3, kvstore=2,
+        BATON_REPLICATION="2", BATON_GATEWAY_FAILOVER_TIMEOUT_S=str(FAILOVER_TIMEOUT_S),
     )  # fmt: skip
     supervised = Supervised(local)
     try:
@@ -100,14 +108,16 @@ def load(
     return results, [r.request for r in results]
 
 
-def test_rolling_restart_of_every_decode_instance_breaks_no_stream(
+def test_rolling_restart_of_every_instance_breaks_no_stream(
     chaos: Supervised, engine: Engine
 ) -> None:
     settle(chaos.local)
     local = chaos.local
     before = gateway_counter(local.gateway_url, "baton_failovers_total", 'reason="migrated"')
 
-    got, reqs = load(chaos, seed=11, concurrency=4, during=lambda: rolling_restart(local))
+    got, reqs = load(
+        chaos, seed=11, concurrency=4, during=lambda: rolling_restart(local, ("prefill", "decode"))
+    )
     assert len(got) >= 4
     assert broken(got, reference(engine, reqs)) == []
     assert gateway_counter(local.gateway_url, "baton_failovers_total", 'reason="migrated"') > before
@@ -142,3 +152,35 @@ def test_redis_down_for_ten_seconds_fails_no_request_and_state_comes_back(
     settle(local)
     reqs = requests(4, seed=14)
     assert broken(run_with_fault(local, reqs, "kill"), reference(engine, reqs)) == []
+
+
+def test_a_stream_ends_with_a_clear_error_only_once_no_decode_instance_is_left(
+    chaos: Supervised, engine: Engine
+) -> None:
+    settle(chaos.local)
+    local = chaos.local
+    req = requests(1, seed=21)[0]
+
+    async def main() -> tuple[StreamResult, float]:
+        flowing = [0]
+
+        def count(n: int) -> None:
+            flowing[0] += n
+
+        async with httpx.AsyncClient(timeout=120) as http:
+            task = asyncio.create_task(stream(http, local.gateway_url, MODEL, req, count))
+            while flowing[0] < 3 and not task.done():
+                await asyncio.sleep(0.02)
+            for spec in [s for s in local.specs if s.role == "decode"]:
+                apply_fault(local, spec.name, "kill")
+            killed = time.perf_counter()
+            return await task, killed
+
+    chaos.pause()  # nothing comes back
+    try:
+        got, killed = asyncio.run(main())
+    finally:
+        chaos.resume()
+    assert got.error is not None and "no_live_instance" in got.error, got.error
+    assert FAILOVER_TIMEOUT_S <= got.ended - killed < FAILOVER_TIMEOUT_S + 10
+    assert got.tokens == reference(engine, [req])[0][: len(got.tokens)]
