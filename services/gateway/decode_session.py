@@ -2,7 +2,8 @@
 
 Tokens come from the current decode instance. When it dies (its stream breaks),
 hangs (it left membership: missed heartbeats; or no progress for
-``progress_timeout_s``) or drains (it ends the stream with ``migrate``), the
+``progress_timeout_s``), fails (an internal error event) or drains (it ends
+the stream with ``migrate``), the
 request resumes on another instance: it loads the KV stored up to the
 request's replication watermark, recomputes the few tokens past it, and goes
 on from the last token the client got. Sampling is keyed by request seed and
@@ -45,6 +46,7 @@ OpenDecode = Callable[[DecodeRequest, set[str]], Awaitable[tuple[Pick, WorkerStr
 class FailoverPolicy:
     progress_timeout_s: float = 60.0  # no event for this long from a live instance: hung
     failover_timeout_s: float = 60.0  # give up when no instance took the request for this long
+    max_resumes: int = 16  # a request that keeps failing everywhere is not a failover
 
 
 class _Interrupted(Exception):
@@ -68,6 +70,7 @@ class DecodeSession:
     policy: FailoverPolicy = FailoverPolicy()
     generated: list[int] = field(default_factory=list)  # what the client has
     resumes: int = 0
+    best: Watermark | None = None  # the furthest stored KV known (kept across resumes)
 
     @property
     def worker_id(self) -> str:
@@ -129,9 +132,11 @@ class DecodeSession:
                     raise _Interrupted("stalled") from None
                 continue
             except ServiceError as exc:
-                if exc.code != LOST:
-                    raise
-                raise _Interrupted("lost") from exc
+                if exc.code == LOST:
+                    raise _Interrupted("lost") from exc
+                if exc.status >= 500:  # the instance failed the request (engine error)
+                    raise _Interrupted("failed") from exc
+                raise
             last = time.monotonic()
             if isinstance(event, MigrateEvent):
                 raise _Interrupted("migrated", event)
@@ -140,12 +145,16 @@ class DecodeSession:
             yield Token(event.token, event.finish_reason)
 
     def _alive(self) -> bool:
-        iid = self.pick.member.instance_id
-        return any(m.instance_id == iid for m in self.router.live("decode"))
+        return self.router.registered("decode", self.pick.member.instance_id)
 
     async def _resume(self, stop: _Interrupted) -> None:
         """Continue on another decode instance from the stored KV."""
         dead = self.pick.member
+        if self.resumes >= self.policy.max_resumes:
+            raise ServiceError(
+                503, f"decode failed {self.resumes + 1} times on this request; giving up",
+                code="no_live_instance",
+            )  # fmt: skip
         self.metrics.failovers.labels(stop.reason).inc()
         self.pick.done()
         if stop.reason != "migrated":
@@ -164,10 +173,14 @@ class DecodeSession:
         tried = {dead.instance_id}
         while True:
             try:
-                self.pick, self.stream = await self.open_decode(body, tried)
+                self.pick, self.stream = await asyncio.wait_for(
+                    self.open_decode(body, tried), self.policy.progress_timeout_s
+                )
                 return
-            except ServiceError as exc:
-                if exc.status != 503 or time.monotonic() > deadline:
+            except (ServiceError, TimeoutError) as exc:
+                # none live (503), the new one lost or hung before it accepted: try again
+                retry = not isinstance(exc, ServiceError) or exc.status == 503 or exc.code == LOST
+                if not retry or time.monotonic() > deadline:
                     raise ServiceError(
                         503,
                         f"decode {dead.instance_id} {stop.reason} and no decode instance took "
@@ -178,10 +191,16 @@ class DecodeSession:
                 tried = {dead.instance_id}  # others may have come back meanwhile
 
     async def _watermark(self, stop: _Interrupted) -> Watermark | None:
+        """The furthest stored KV: the instance's last word (drain), its watermark in
+        Redis, or one an earlier instance of this request reached."""
         if stop.migrate is not None:
             m = stop.migrate
-            return Watermark(instance_id="", tokens=m.tokens, block_ids=m.kv_ids)
-        return await self.watermarks.read(self.worker_id)
+            mark: Watermark | None = Watermark(instance_id="", tokens=m.tokens, block_ids=m.kv_ids)
+        else:
+            mark = await self.watermarks.read(self.worker_id)
+        if mark is not None and (self.best is None or mark.tokens > self.best.tokens):
+            self.best = mark
+        return self.best
 
     def _block_size(self) -> int:
         return self.router.block_size or 16

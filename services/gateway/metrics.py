@@ -49,7 +49,8 @@ class GatewayMetrics:
         self.failovers = Counter(
             "baton_failovers",
             "Requests moved to another decode instance mid-stream, by why (lost: its stream "
-            "broke; hung: it left membership; stalled: no progress; migrated: it drained)",
+            "broke; hung: it left membership; stalled: no progress; failed: it reported an "
+            "internal error; migrated: it drained)",
             ["reason"],
             registry=r,
         )

@@ -161,10 +161,19 @@ class Router:
 
     def live(self, role: str) -> list[Member]:
         now = time.monotonic()
-        out = [m for m in self.members[role] if self.benched.get(m.instance_id, 0.0) <= now]
+        out = [
+            m
+            for m in self.members[role]
+            if self.benched.get(m.instance_id, 0.0) <= now and not m.load.get("draining")
+        ]
         if role == "decode" and self.kv_namespace is not None:
             out = [m for m in out if m.kv_namespace == self.kv_namespace]
         return out
+
+    def registered(self, role: str, instance_id: str) -> bool:
+        """Whether ``instance_id`` is in membership now (its heartbeat key is alive), benched
+        here or not: a bench says it refused a connection, not that it is gone."""
+        return any(m.instance_id == instance_id for m in self.members[role])
 
     def live_roles(self) -> dict[str, str]:
         """Instance id -> role of every live instance (stores included)."""

@@ -32,7 +32,7 @@ class WorkerStream:
             async for line in self.response.aiter_lines():
                 self._events.put_nowait(decode_event(line))
             end = ServiceError(502, f"{self.who} ended its stream early", code=LOST, who=self.who)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.StreamError) as exc:
             end = ServiceError(502, f"{self.who} connection lost: {exc}", code=LOST, who=self.who)
         except ValueError as exc:  # not an event: a broken worker
             end = ServiceError(502, f"{self.who} sent garbage: {exc}", code=LOST, who=self.who)
