@@ -29,6 +29,9 @@ class Component(Protocol):
     async def stop(self) -> None: ...
 
 
+GRACEFUL_SHUTDOWN_S = 5
+
+
 class _DrainingServer(uvicorn.Server):
     """On SIGTERM the component drains first (new requests refused, running ones
     finished or handed over), then the server shuts down as usual; a second signal,
@@ -124,6 +127,12 @@ def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> Non
         print(f"baton {name}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=level.lower(), access_log=False, log_config=None
+        app,
+        host=host,
+        port=port,
+        log_level=level.lower(),
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,  # after a drain: streams left are cut
     )
     _DrainingServer(config, app).run()

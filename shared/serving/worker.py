@@ -229,6 +229,7 @@ class Worker:
             "in_flight": float(len(self.in_flight)),
             "kv_usage": snap.usage,
             "free_blocks": float(snap.free_slots),
+            "draining": float(self.draining),  # routers send it nothing new
             **self.load(),
         }
 
@@ -238,20 +239,24 @@ class Worker:
             raise ServiceError(503, f"{self.role} {self.instance_id} is draining", code="draining")
 
     async def drain(self) -> None:
-        """SIGTERM: leave membership (no new requests come), hand over or finish the
-        requests here, and return once none is left or after ``drain_timeout_s``."""
+        """SIGTERM: refuse new requests (503 ``draining``: the gateway takes them
+        elsewhere), hand over or finish the requests here, then leave membership; returns
+        once none is left or after ``drain_timeout_s``. It stays registered meanwhile, so
+        the gateway does not take a stream that is busy handing over for a hung one."""
         if self.draining:
             return
         self.draining = True
         log.info("%s %s draining %d requests", self.role, self.instance_id, len(self.in_flight))
         if self.heartbeat is not None:
-            await self.heartbeat.stop(deregister=True)
+            await self.heartbeat.beat()  # routers learn it is draining now, not in a beat
         self.release_requests()
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight:
             log.warning("drain timed out with %d requests left", len(self.in_flight))
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(deregister=True)
 
     def release_requests(self) -> None:
         """Draining: make the requests here end soon (a role that can hand requests over
