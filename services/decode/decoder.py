@@ -72,7 +72,8 @@ class Decoder(Worker):
             caching=self.caching,
             replicate=self.settings.replicate,
         )
-        connector.tasks.watermarks = Watermarks(self.redis, self.keys)
+        if self.settings.replicate:
+            connector.tasks.watermarks = Watermarks(self.redis, self.keys)
         connector.tasks.instance_id = self.instance_id
         return connector
 

@@ -189,6 +189,10 @@ class KVStoreClient:
             log.warning("KV store node %s is unreachable; skipping it", node.instance_id)
         self._down[node.instance_id] = time.monotonic() + self.down_s
 
+    async def _attempts(self) -> range:
+        """Tries of an operation that skips each node failing it: one per live node."""
+        return range(len(await self.nodes()) + 1)
+
     def _transport_failures(
         self, nodes: Sequence[NodeClient], results: Sequence[object]
     ) -> list[TransportError]:
@@ -225,11 +229,12 @@ class KVStoreClient:
     async def begin_put(
         self, ids: Sequence[str], sizes: Sequence[int], *, num_layers: int, ttl_s: float = 30.0
     ) -> PutHandle:
-        while True:
+        for _ in await self._attempts():
             handle, failed = await self._reserve(ids, sizes, num_layers, ttl_s)
             if not failed:
                 return handle
             await handle.revoke()  # and again on the ranking without the failed nodes
+        raise KVUnavailableError(f"no KV store node took the put: {failed[0]}", ids)
 
     async def _reserve(
         self, ids: Sequence[str], sizes: Sequence[int], num_layers: int, ttl_s: float
@@ -267,7 +272,8 @@ class KVStoreClient:
         A node that fails is skipped and the put is made again on the new ranking
         (replicas that have a block already keep it)."""
         views = [as_bytes_view(b) for b in blocks]
-        while True:
+        failed: list[TransportError] = []
+        for _ in await self._attempts():
             ranked = await self._ranked(ids)
             per_node: dict[str, list[int]] = defaultdict(list)
             nodes: dict[str, NodeClient] = {}
@@ -286,8 +292,10 @@ class KVStoreClient:
                 ),
                 return_exceptions=True,
             )
-            if not self._transport_failures([nodes[n] for n in per_node], results):
+            failed = self._transport_failures([nodes[n] for n in per_node], results)
+            if not failed:
                 return
+        raise KVUnavailableError(f"no KV store node took the put: {failed[0]}", ids)
 
     # ----- reads ----------------------------------------------------------
     async def get(
@@ -439,7 +447,7 @@ class KVStoreClient:
         back after a node loss still finds its blocks. A node that fails is
         skipped and the lease taken again on the new ranking.
         """
-        while True:
+        for _ in await self._attempts():
             leases = LeaseSet([])
             try:
                 if await self._lease_ranked(ids, ttl_s, leases):
@@ -448,6 +456,7 @@ class KVStoreClient:
                 await leases.release()
                 raise
             await leases.release()
+        raise KVUnavailableError("no KV store node could lease the blocks", ids)
 
     async def _lease_ranked(self, ids: Sequence[str], ttl_s: float, leases: LeaseSet) -> bool:
         """Lease on the current ranking; False when a node failed (marked down)."""

@@ -164,14 +164,15 @@ class KVStoreConnector(KVConnector):
 
     def plan_decode(self, store_ids: Sequence[str], tokens: int, wait_s: float) -> StorePlan:
         """The request's first ``tokens`` of KV come from the store (as prefill writes
-        them, or as an earlier decode replicated them); what it computes is replicated
-        unless replication is off."""
+        them, or as an earlier decode replicated them); what it computes is written to
+        the store as it completes: for failover (replication, with a watermark) and for
+        reuse (caching); with neither, nothing is."""
         return StorePlan(
             load_ids=list(store_ids),
             load_tokens=tokens,
             asynchronous=True,
             wait_s=wait_s,
-            replicate=self.replicate,
+            replicate=self.replicate or self.caching,
         )
 
     async def final_watermark(self, request_id: str) -> Watermark | None:

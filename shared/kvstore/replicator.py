@@ -82,7 +82,8 @@ class Replicator:
         rep = self.replications.pop(req.request_id, None)
         if rep is None:
             return False
-        keep = req.finish_reason is FinishReason.ABORT
+        # an aborted request may resume elsewhere: its watermark (if replication is on) stays
+        keep = req.finish_reason is FinishReason.ABORT and self.tasks.watermarks is not None
         bs = self.tasks.layout_block_size()
         full = min(req.num_computed_tokens // bs, len(req.block_keys), len(req.slots))
         indices = list(range(rep.staged, full)) if (keep or self.caching) else []

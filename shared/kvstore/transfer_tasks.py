@@ -238,7 +238,7 @@ class TransferTasks:
         self.ended[rep.request_id] = rep
         if indices:
             self.replicate_soon(rep, indices, None, slots)
-        else:
+        elif rep.pending == 0:  # else the last staged write in flight settles it
             self._settle(rep)
 
     async def _replicate(
@@ -251,6 +251,7 @@ class TransferTasks:
         pool = self._pool()
         layout = pool.layout
         ids = [rep.ids[i] for i in indices]
+        written = False
         try:
             if staged is not None and self.staging is not None:
                 buffers = [self.staging.buffers[i] for i in staged]
@@ -268,22 +269,31 @@ class TransferTasks:
                 except BaseException:
                     await put.revoke()
                     raise
-            self.metrics.saved_bytes.inc(len(ids) * layout.block_bytes)
-            self.metrics.replicated_bytes.inc(len(ids) * layout.block_bytes)
-            rep.committed.update(indices)
-            await self._advance(rep, layout.block_size)
+            written = True
         except (KVStoreError, TransportError) as exc:
             log.warning("replicating %d blocks of %s failed: %s", len(ids), rep.request_id, exc)
-        finally:
+        finally:  # the staging buffers and slots go back before Redis is written
             if staged is not None and self.staging is not None:
                 for index in staged:
                     self.staging.give(index)
-            rep.pending -= 1
             if slots is not None:
                 self.events.released(rep.request_id)
                 self._wake()
-            if rep.pending == 0:
-                self._settle(rep)
+            if not written:
+                self._replicated(rep)
+        if written:
+            self.metrics.saved_bytes.inc(len(ids) * layout.block_bytes)
+            self.metrics.replicated_bytes.inc(len(ids) * layout.block_bytes)
+            rep.committed.update(indices)
+            try:
+                await self._advance(rep, layout.block_size)
+            finally:
+                self._replicated(rep)
+
+    def _replicated(self, rep: Replication) -> None:
+        rep.pending -= 1
+        if rep.pending == 0:
+            self._settle(rep)
 
     async def _advance(self, rep: Replication, block_size: int) -> None:
         moved = False
@@ -314,12 +324,16 @@ class TransferTasks:
         if self.watermarks is not None:
             self.spawn(self.watermarks.drop(rep.request_id), "kv-watermark-drop")
 
-    async def final_watermark(self, rid: RequestId) -> Watermark | None:
-        """Once an ended request's last blocks are written: how far its KV is stored."""
+    async def final_watermark(self, rid: RequestId, wait_s: float = 10.0) -> Watermark | None:
+        """Once an ended request's last blocks are written (or after ``wait_s``): how far
+        its KV is stored."""
         rep = self.ended.pop(rid, None)
         if rep is None:
             return None
-        await rep.settled.wait()
+        try:
+            await asyncio.wait_for(rep.settled.wait(), wait_s)
+        except TimeoutError:
+            log.warning("the last KV writes of %s are late; handing over what is stored", rid)
         bs = self.layout_block_size()
         return Watermark(
             instance_id=self.instance_id,
