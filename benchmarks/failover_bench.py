@@ -9,8 +9,9 @@ process (greedy and seeded): a broken stream is an error or any token that diffe
   a round is the one that failed over), with the gateway's own resume-gap figure.
 - ``e2e``: one 512-in/256-out request, failure-free and with its decode instance
   killed half-way, alternating; E2E killed over failure-free.
-- ``replication``: decode replication on and off (``BATON_DECODE_REPLICATE``), a
-  fresh cluster per round, alternating; TPOT on over off.
+- ``replication``: decode replication on and off (``BATON_DECODE_REPLICATE``), with
+  caching off in both (so off writes nothing decode computes), a fresh cluster per
+  run, on/off order alternating by round; TPOT on over off under steady load.
 - ``rolling``: every prefill and decode instance drained (SIGTERM) and restarted in
   turn under steady load; broken streams.
 - ``store``: 2 store nodes, every block on both; one killed under load; failed requests.
@@ -65,7 +66,7 @@ def cluster(
         try:
             yield supervised
         finally:
-            supervised.pause()
+            supervised.close()
 
 
 class Reference:
@@ -184,7 +185,9 @@ def run_replication(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             rng = random.Random(args.seed + i)
             reqs = iter(chaos.make_requests(rng, 1000, prompt_len=(100, 300),
                                             max_tokens=args.output_len))  # fmt: skip
-            with cluster(args, BATON_DECODE_REPLICATE=str(on).lower()) as sup:
+            with cluster(
+                args, BATON_DECODE_REPLICATE=str(on).lower(), BATON_ENABLE_PREFIX_CACHING="false"
+            ) as sup:
                 local = sup.local
                 chaos.settle(local)
                 results = asyncio.run(

@@ -73,8 +73,11 @@ class Supervisor:
         redis = self.cluster.redis
         if redis.proc is not None and redis.proc.poll() is not None:
             self.say(f"baton: redis-server {exit_reason(redis.proc.returncode)}; restarting")
-            redis.start()
-            restarted.append("redis")
+            try:
+                redis.start()
+                restarted.append("redis")
+            except BatonError as exc:  # its port still held, say: the next pass tries again
+                self.say(f"baton: redis-server did not start again: {exc}")
         now = time.monotonic()
         for name, proc in list(self.cluster.procs.items()):
             if self._due(name, proc, now):
@@ -121,19 +124,38 @@ class Supervisor:
 
 
 class SupervisorThread:
-    """Runs a :class:`Supervisor` in the background (tests, benchmarks)."""
+    """Runs a :class:`Supervisor` in the background (tests, benchmarks).
+
+    The children it restarts die with this thread (they are started with a parent-death
+    signal, which Linux ties to the starting thread), so it lives until :meth:`stop`;
+    :meth:`hold` and :meth:`release` suspend and resume the supervision meanwhile.
+    """
 
     def __init__(self, supervisor: Supervisor, interval_s: float = 0.2):
         self.supervisor = supervisor
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
+        self._held = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
 
     def _run(self, interval_s: float) -> None:
         try:
-            self.supervisor.run(self.stop_event, interval_s)
+            while not self.stop_event.wait(interval_s):
+                with self._lock:
+                    if not self._held:
+                        self.supervisor.check()
         except BaseException as exc:
             self.error = exc
+
+    def hold(self) -> None:
+        """No restart from now on (a check in progress completes first)."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held = False
 
     def start(self) -> SupervisorThread:
         self._thread.start()

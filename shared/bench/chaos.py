@@ -19,6 +19,7 @@ duplicated token is a broken stream.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import signal
@@ -273,25 +274,29 @@ def reference(engine: Engine, requests: list[ChaosRequest]) -> list[list[int]]:
 
 
 class Supervised:
-    """A local cluster whose dead children (and Redis) a supervisor thread restarts."""
+    """A local cluster whose dead children (and Redis) a supervisor thread restarts;
+    ``close`` ends the supervision (before the cluster stops)."""
 
     def __init__(self, local: LocalCluster, say: Callable[[str], None] = lambda m: None):
         self.local = local
-        self._say = say
-        self._thread: SupervisorThread | None = None
-        self.resume()
-
-    def resume(self) -> None:
-        if self._thread is None:
-            policy = RestartPolicy(max_restarts=100)
-            self._thread = SupervisorThread(Supervisor(self.local, policy, say=self._say)).start()
+        policy = RestartPolicy(max_restarts=100)
+        self._thread = SupervisorThread(Supervisor(local, policy, say=say)).start()
 
     def pause(self) -> None:
-        if self._thread is not None:
-            self._thread.stop()
-            if self._thread.error is not None:
-                raise self._thread.error
-            self._thread = None
+        self._thread.hold()
+        self._raise()
+
+    def resume(self) -> None:
+        self._raise()
+        self._thread.release()
+
+    def close(self) -> None:
+        self._thread.stop()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._thread.error is not None:
+            raise self._thread.error
 
 
 @dataclass
@@ -301,13 +306,15 @@ class FaultRun:
     victim: str
 
     def gaps(self) -> list[float]:
-        """Per stream in flight at the fault: fault to its next token (the resume gap of
-        the streams that failed over; one inter-token time for the others)."""
+        """Per stream in flight at the fault: the longest wait for a token from the fault
+        on (the resume gap of a stream that failed over; an inter-token time otherwise)."""
         out = []
         for r in self.results:
-            nxt = r.first_after(self.at)
-            if r.active_at(self.at) and nxt is not None:
-                out.append(nxt - self.at)
+            if r.started > self.at or r.ended < self.at:
+                continue
+            times = [self.at, *(s for s in r.stamps if s > self.at)]
+            if len(times) > 1:
+                out.append(max(b - a for a, b in itertools.pairwise(times)))
         return out
 
 
@@ -380,7 +387,7 @@ async def redis_outage(
     try:
         local.redis.proc.kill()
         await asyncio.sleep(down_s)
-        await asyncio.to_thread(local.redis.start)
+        local.redis.start()  # from this thread: Redis dies with the thread that started it
     finally:
         cluster.resume()
     restarted = time.monotonic()

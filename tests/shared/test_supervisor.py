@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from shared.errors import ConfigError
 from shared.supervisor import RestartPolicy, Supervisor, SupervisorGaveUp
 
 
@@ -113,3 +114,22 @@ def test_a_dead_redis_is_restarted_at_once(clock: list[float]) -> None:
     assert sup.check() == ["redis"]
     assert cluster.redis.starts == 1
     assert "redis-server killed by SIGTERM; restarting" in said[0]
+
+
+def test_a_redis_that_does_not_start_again_is_retried(clock: list[float]) -> None:
+    class StubbornRedis(FakeProc):
+        fails = 1
+
+        def start(self) -> FakeProc:
+            if self.fails:
+                self.fails -= 1
+                raise ConfigError("redis-server did not answer")
+            return super().start()
+
+    cluster = FakeCluster({}, StubbornRedis())
+    said: list[str] = []
+    sup = make(cluster, said)
+    cluster.redis.die()
+    assert sup.check() == []
+    assert "did not start again" in said[-1]
+    assert sup.check() == ["redis"]

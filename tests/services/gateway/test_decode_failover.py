@@ -64,7 +64,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
     try:
         yield supervised
     finally:
-        supervised.pause()
+        supervised.close()
         local.stop()
 
 
