@@ -226,7 +226,8 @@ def run_rolling(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
         )
     bad = ref.broken(results)
     print(
-        f"rolling restart of {args.decode} decode instances in {time.monotonic() - started:.0f}s"
+        f"rolling restart of 2 prefill and {args.decode} decode instances in "
+        f"{time.monotonic() - started:.0f}s"
         f": {len(results)} streams, {len(bad)} broken, {migrated:.0f} migrated",
         flush=True,
     )
@@ -239,7 +240,7 @@ def run_store(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
         chaos.settle(local)
         results = asyncio.run(
             chaos.under_load(local, MODEL, load_requests(args), args.streams,
-                             lambda: chaos.kill_instance(local, "kvstore-0", 10.0))
+                             lambda: chaos.kill_instance(local, "kvstore-0", args.hold))
         )  # fmt: skip
     bad = ref.broken(results)
     print(f"store node killed: {len(results)} requests, {len(bad)} failed", flush=True)
@@ -292,6 +293,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--decode", type=int, default=3, help="decode instances")
     p.add_argument("--duration", type=float, default=30.0, help="replication: seconds of load")
+    p.add_argument("--hold", type=float, default=30.0, help="store: seconds of load after the kill")
     p.add_argument("--down", type=float, default=10.0, help="seconds Redis is down")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", type=Path, default=None, help="keep service logs here")
