@@ -147,9 +147,14 @@ class Decoder(Worker):
                 )
                 await self.loop.call(lambda e: e.supply_first_token(rid, token.sampled()))
             tokens = TokenStream()
+            # the first token decoded here (prefill's comes first unless resumed); an
+            # output may carry several tokens
+            first_here = len(body.generated) + (1 if body.resumed else 2)
+            joined = False
             try:
                 async for event in tokens.events(outputs):
-                    if tokens.generated == len(body.generated) + 1:  # the first one made here
+                    if not joined and tokens.generated >= first_here:
+                        joined = True
                         self.decode_metrics.join_wait_s.observe(time.perf_counter() - arrival)
                     yield event
             except StreamInterrupted:
