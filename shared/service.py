@@ -30,6 +30,7 @@ class Component(Protocol):
 
 
 GRACEFUL_SHUTDOWN_S = 5
+DRAIN_LIMIT_S = 120.0  # past every drain timeout: a stuck drain never keeps a process up
 
 
 class _DrainingServer(uvicorn.Server):
@@ -53,7 +54,9 @@ class _DrainingServer(uvicorn.Server):
 
         async def drain_then_exit(run: Callable[[], Awaitable[None]]) -> None:
             try:
-                await run()
+                await asyncio.wait_for(run(), DRAIN_LIMIT_S)
+            except TimeoutError:
+                print("drain did not end in time; exiting", file=sys.stderr, flush=True)
             finally:
                 super(_DrainingServer, self).handle_exit(sig, frame)
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -247,8 +247,8 @@ class Worker:
             return
         self.draining = True
         log.info("%s %s draining %d requests", self.role, self.instance_id, len(self.in_flight))
-        if self.heartbeat is not None:
-            await self.heartbeat.beat()  # routers learn it is draining now, not in a beat
+        if self.heartbeat is not None:  # routers learn it is draining now, not in a beat
+            await self._bounded(self.heartbeat.beat(), "announcing the drain")
         self.release_requests()
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.in_flight and time.monotonic() < deadline:
@@ -256,7 +256,15 @@ class Worker:
         if self.in_flight:
             log.warning("drain timed out with %d requests left", len(self.in_flight))
         if self.heartbeat is not None:
-            await self.heartbeat.stop(deregister=True)
+            await self._bounded(self.heartbeat.stop(deregister=True), "leaving membership")
+
+    @staticmethod
+    async def _bounded(step: Awaitable[object], what: str, limit_s: float = 5.0) -> None:
+        """A drain step that must not hold the exit (Redis slow or gone)."""
+        try:
+            await asyncio.wait_for(step, limit_s)
+        except TimeoutError:
+            log.warning("%s took over %.0fs during the drain; going on", what, limit_s)
 
     def release_requests(self) -> None:
         """Draining: make the requests here end soon (a role that can hand requests over
