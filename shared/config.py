@@ -28,6 +28,11 @@ PointwiseBackend = Literal["auto", "native", "torch"]
 HugePages = Literal["auto", "on", "off"]
 
 DEFAULT_BLOCK_SIZE = 16
+# Each prefill/decode process's KV pool, touched up front (see CacheConfig.prefault):
+# 0.5 GiB holds ~11,600 tokens of the default model in fp32 (46,080 B/token; twice
+# that in bf16): a whole 8,192-token context plus headroom, on a laptop. Raise it
+# (BATON_KV_CACHE_GB, `baton up --kv-cache-gb`) for many long requests at once.
+DEFAULT_KV_CACHE_GB = 0.5
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class CacheConfig:
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = int(DEFAULT_KV_CACHE_GB * (1 << 30))
     enable_prefix_caching: bool = True
     # touch every page of the pool at start-up: a first touch costs a page fault
     # (0.2-0.5 GB/s on this VM), which would otherwise stall a step or a transfer
@@ -79,6 +84,8 @@ class ClusterConfig:
     heartbeat_s: float = 1.0
     member_ttl_s: float = 5.0
     index_ttl_s: float = 3600.0
+    # presented by every internal HTTP call and data-plane connection (None: open)
+    secret: str | None = field(default=None, repr=False)
 
 
 def default_cache_dir() -> Path:
@@ -99,7 +106,7 @@ class BatonSettings(BaseSettings):
     pointwise: PointwiseBackend = "auto"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=1024)
-    kv_cache_gb: float = Field(default=1.0, gt=0)
+    kv_cache_gb: float = Field(default=DEFAULT_KV_CACHE_GB, gt=0)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     enable_prefix_caching: bool = True
@@ -117,6 +124,8 @@ class BatonSettings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0)
     member_ttl_s: float = Field(default=5.0, gt=0)
     index_ttl_s: float = Field(default=3600.0, gt=0)
+    # the cluster secret internal surfaces demand (`baton up` generates one)
+    cluster_secret: str | None = Field(default=None, min_length=16, repr=False)
 
     def engine_cpu_set(self) -> frozenset[int] | None:
         if self.engine_cpus is None:
@@ -134,6 +143,7 @@ class BatonSettings(BaseSettings):
             heartbeat_s=self.heartbeat_s,
             member_ttl_s=self.member_ttl_s,
             index_ttl_s=self.index_ttl_s,
+            secret=self.cluster_secret,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -18,7 +18,9 @@ class KVStoreSettings(BaseSettings):
     advertise_host: str = Field(default_factory=default_advertise_host)
     http_port: int = Field(default=8300, ge=0, le=65535)
     data_port: int = Field(default=8301, ge=0, le=65535)
-    capacity_gb: float = Field(default=2.0, gt=0)
+    # the arena: reserved at start, its pages taken as blocks arrive, so a busy store
+    # grows to this; 1 GiB caches ~23,000 tokens of the default model in fp32
+    capacity_gb: float = Field(default=1.0, gt=0)
     slab_mb: int = Field(default=32, ge=1)
     high_watermark: float = Field(default=0.95, gt=0, le=1)
     low_watermark: float = Field(default=0.85, gt=0, le=1)

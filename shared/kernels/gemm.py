@@ -70,6 +70,16 @@ class GemmKernel:
         self._pack[weight.dtype](w.data_ptr(), n, w.shape[1], packed.data_ptr())
         return packed
 
+    def rows(self, packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+        """Rows ``ids`` of the weight ``packed`` was packed from, ``[len(ids), in_features]``
+        (exact copies: a tied embedding is looked up in the packed head, no dense copy)."""
+        pair = self.pair(packed.dtype)
+        panels, k, _ = packed.shape
+        grid = packed.view(panels, k // pair, self.panel, pair)
+        # advanced indices around a slice: the gathered dimension comes first
+        out = grid[ids // self.panel, :, ids % self.panel].reshape(ids.shape[0], k)
+        return out if k == in_features else out[:, :in_features].contiguous()
+
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """``x``: ``[m, k]`` in the packed weight's dtype; returns ``x @ w.T`` as
         a new ``[m, out_features]``."""

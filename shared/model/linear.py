@@ -54,6 +54,8 @@ class PackedWeight:
 
 class Linear(ABC):
     name: str
+    # rows() can read a weight's rows back from its packed form
+    reads_rows: bool = False
 
     @abstractmethod
     def pack(self, weight: torch.Tensor) -> PackedWeight:
@@ -63,6 +65,19 @@ class Linear(ABC):
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         """``x``: ``[rows, in]``; returns ``x @ weight.T`` as a new ``[rows, out]`` tensor."""
 
+    def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dense weight as a new ``[len(ids), in]`` tensor, read from
+        ``packed`` (exact copies), so a tied embedding needs no dense copy of its own.
+        Only where :attr:`reads_rows`."""
+        raise NotImplementedError(f"the {self.name} linear backend cannot read weight rows")
+
+    def cache_tag(self) -> str | None:
+        """A name for the packed layout when :meth:`pack` returns a plain dense CPU
+        tensor whose bytes can be saved and mapped back (one weights file that every
+        process on the host shares); None when the packed form is opaque. Backends
+        with equal tags pack identically."""
+        return None
+
 
 def _packed(data: torch.Tensor, weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, out_features=weight.shape[0], in_features=weight.shape[1])
@@ -70,6 +85,7 @@ def _packed(data: torch.Tensor, weight: torch.Tensor) -> PackedWeight:
 
 class TorchLinear(Linear):
     name = "torch"
+    reads_rows = True
 
     def __init__(self, pad_small_gemm: bool):
         self.pad_small_gemm = pad_small_gemm
@@ -83,12 +99,19 @@ class TorchLinear(Linear):
             return F.linear(F.pad(x, (0, 0, 0, SMALL_GEMM_PAD_TO - rows)), packed.data)[:rows]
         return F.linear(x, packed.data)
 
+    def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, packed.data)
+
+    def cache_tag(self) -> str | None:
+        return "torch"
+
 
 class NativeLinear(Linear):
     """The panel kernel: fp32 on AVX-512, bf16 on AVX512-BF16. :meth:`load`
     builds it or says why not."""
 
     name = "native"
+    reads_rows = True
 
     def __init__(self, kernel: GemmKernel):
         self.kernel = kernel
@@ -98,6 +121,12 @@ class NativeLinear(Linear):
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         return self.kernel(x, packed.data, packed.out_features)
+
+    def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernel.rows(packed.data, ids, packed.in_features)
+
+    def cache_tag(self) -> str | None:
+        return f"native-{self.kernel.library.stem}"
 
     @classmethod
     def load(cls, dtype: torch.dtype, kernel_dir: Path) -> NativeLinear | str:

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import LinearBackend, PointwiseBackend
-from shared.errors import ConfigError, ModelFormatError
+from shared.errors import ConfigError
 from shared.kv.layout import torch_dtype
 from shared.model.arch import LlamaArch
 from shared.model.linear import select_linear
-from shared.model.llama import LlamaModel
+from shared.model.llama import LlamaModel, ModelWeights, pack_weights
+from shared.model.packed_file import load_or_pack, packed_path, release_freed_memory
 from shared.model.pointwise import select_pointwise
 from shared.model.registry import ResolvedModel, resolve
 from shared.model.tokenizer import Tokenizer
+from shared.model.tokenizer_loader import read_arch
 from shared.model.weights import load_state_dict
 
 
@@ -41,7 +42,8 @@ def load_model(
     kernel_dir: Path | None = None,
     progress: bool = True,
 ) -> LoadedModel:
-    """``kernel_dir``: where native kernels are built (default ``cache_dir/kernels``)."""
+    """``kernel_dir``: where native kernels are built (default ``cache_dir/kernels``);
+    packed weights are kept in ``cache_dir/packed`` and mapped by every process."""
     resolved = resolve(spec, cache_dir, progress=progress)
     return load_resolved(
         resolved,
@@ -50,15 +52,8 @@ def load_model(
         linear=linear,
         pointwise=pointwise,
         kernel_dir=kernel_dir or cache_dir / "kernels",
+        packed_dir=cache_dir / "packed",
     )
-
-
-def _read_arch(folder: Path) -> LlamaArch:
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{folder}/config.json is unreadable: {e}") from e
-    return LlamaArch.from_hf_config(cfg)
 
 
 def load_resolved(
@@ -69,21 +64,33 @@ def load_resolved(
     kernel_dir: Path,
     linear: LinearBackend = "auto",
     pointwise: PointwiseBackend = "auto",
+    packed_dir: Path | None = None,
 ) -> LoadedModel:
+    """``packed_dir``: where the packed weights are shared through a file (see
+    :mod:`shared.model.packed_file`); None, or a backend whose packing is opaque,
+    keeps them private to this process."""
     if device == "cpu" and dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
     t0 = time.perf_counter()
-    arch = _read_arch(resolved.folder)
+    arch = read_arch(resolved.folder)
     tokenizer = Tokenizer.from_folder(resolved.folder)
-    state = load_state_dict(resolved.folder)
     dt = torch_dtype(dtype)
+    gemm = select_linear(linear, dt, device, kernel_dir)
+
+    def pack() -> ModelWeights:
+        return pack_weights(arch, load_state_dict(resolved.folder), dt, device, gemm)
+
+    tag = gemm.cache_tag()
+    if packed_dir is not None and tag is not None and device == "cpu":
+        path = packed_path(
+            packed_dir, resolved.name, resolved.identity, resolved.folder, dtype, gemm.name, tag
+        )
+        weights = load_or_pack(path, pack)
+    else:
+        weights = pack()
+        release_freed_memory()  # the checkpoint's and the packing's intermediate copies
     model = LlamaModel(
-        arch,
-        state,
-        dt,
-        device,
-        select_linear(linear, dt, device, kernel_dir),
-        select_pointwise(pointwise, dt, device, kernel_dir),
+        arch, weights, dt, device, gemm, select_pointwise(pointwise, dt, device, kernel_dir)
     )
     return LoadedModel(
         name=resolved.name,
@@ -93,20 +100,4 @@ def load_resolved(
         model=model,
         tokenizer=tokenizer,
         load_seconds=time.perf_counter() - t0,
-    )
-
-
-@dataclass(frozen=True)
-class TokenizerOnly:
-    """What the gateway needs of a model: its name, tokenizer and shape, no weights."""
-
-    name: str
-    arch: LlamaArch
-    tokenizer: Tokenizer
-
-
-def load_tokenizer(spec: str | None, *, cache_dir: Path, progress: bool = False) -> TokenizerOnly:
-    resolved = resolve(spec, cache_dir, progress=progress)
-    return TokenizerOnly(
-        resolved.name, _read_arch(resolved.folder), Tokenizer.from_folder(resolved.folder)
     )

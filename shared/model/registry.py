@@ -23,7 +23,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from shared.errors import ModelNotFoundError, ModelPullError
-from shared.model.gguf_convert import convert_gguf_to_hf
 
 CONVERTER_VERSION = 1
 
@@ -193,6 +192,10 @@ def _from_gguf(path: Path, cache_dir: Path, *, name: str, sha: str | None) -> Re
             try:
                 source_sha = sha or sha256_file(path)
                 meta = {"source": str(path), "sha256": source_sha, "converter": CONVERTER_VERSION}
+                # numpy and gguf only here, once per model: resolving a converted model
+                # (all the gateway does) stays free of them
+                from shared.model.gguf_convert import convert_gguf_to_hf
+
                 convert_gguf_to_hf(path, tmp, extra_meta=meta)
                 shutil.rmtree(folder, ignore_errors=True)
                 os.replace(tmp, folder)
