@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,16 +16,52 @@ from shared.config import BatonSettings, EngineConfig
 from shared.errors import BatonError, InvalidRequestError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` gives every option's default: the value argparse holds, as
+    ``(default: ...)``. An option whose value is resolved later (``None`` here: a
+    ``BATON_*`` variable, else the settings tree) says so in its help text, and a
+    flag is off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.nargs == 0 or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def from_settings(name: str, unset: str = "") -> str:
+    """The default of an option left to :class:`BatonSettings`: its variable, else the
+    settings tree's own default (stated there, once)."""
+    default = BatonSettings.model_fields[name].get_default(call_default_factory=True)
+    return f"default: $BATON_{name.upper()}, else {unset if default is None else default}"
+
+
+def settings_default(name: str) -> object:
+    """An option's argparse default taken from the settings tree."""
+    return BatonSettings.model_fields[name].get_default(call_default_factory=True)
+
+
+def parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command's parser, with its command line (``baton up``, ...)."""
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from parsers(sub)
+
+
 def _settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        help="GGUF file or HF model folder (default: $BATON_MODEL, "
-        "else the embedded SmolLM2-135M-Instruct)",
+        help="GGUF file or HF model folder "
+        f"({from_settings('model', 'the embedded SmolLM2-135M-Instruct')})",
     )
-    p.add_argument("--cache-dir", type=Path, help="model cache (default: $BATON_CACHE_DIR)")
+    p.add_argument("--cache-dir", type=Path, help=f"model cache ({from_settings('cache_dir')})")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.launcher import DEFAULT_PORTS, KVSTORE_DATA_PORT
+
     parser = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,18 +72,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text in one process")
     _settings_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument(
+        "--prompt", required=True, help="the text to continue (or, with --chat, the user's message)"
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the likeliest tokens whose probabilities add up to this",
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=None, help="keep the k likeliest tokens (default: all)"
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed: the same output every run (default: random)",
+    )
+    gen.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable; default: none)"
+    )
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="go on past the end-of-sequence token"
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help=f"compute dtype ({from_settings('dtype')})",
+    )
+    gen.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (" + from_settings("num_threads", "torch's choice") + ")",
+    )
+    gen.add_argument(
+        "--device", default=None, help=f"cpu, cuda, cuda:1, ... ({from_settings('device')})"
+    )
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with ids and timings"
     )
@@ -61,20 +127,45 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--kv-replicas",
         type=int,
-        default=1,
+        default=settings_default("replication"),
         help="store nodes each KV block is written to (a node can die without losing any; "
         "same as BATON_REPLICATION; starts at least as many store nodes)",
     )
-    up.add_argument("--port", type=int, default=8000, help="gateway port")
-    up.add_argument("--prefill-port", type=int, default=8100, help="first prefill port")
-    up.add_argument("--decode-port", type=int, default=8200, help="first decode port")
-    up.add_argument("--kvstore-port", type=int, default=8300, help="first KV store HTTP port")
+    data_offset = KVSTORE_DATA_PORT - DEFAULT_PORTS["kvstore"]
+    up.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="gateway port")
+    up.add_argument(
+        "--prefill-port", type=int, default=DEFAULT_PORTS["prefill"], help="first prefill port"
+    )
+    up.add_argument(
+        "--decode-port", type=int, default=DEFAULT_PORTS["decode"], help="first decode port"
+    )
+    up.add_argument(
+        "--kvstore-port",
+        type=int,
+        default=DEFAULT_PORTS["kvstore"],
+        help=f"first KV store HTTP port (its data plane: this + {data_offset})",
+    )
     up.add_argument("--redis-port", type=int, default=None, help="default: a free port")
-    up.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
-    up.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    up.add_argument(
+        "--transport",
+        choices=["ucx", "tcp"],
+        default=settings_default("transport"),
+        help="KV data plane",
+    )
+    up.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help=f"compute dtype of the workers ({from_settings('dtype')})",
+    )
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    up.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per worker")
-    up.add_argument("--kvstore-gb", type=float, default=1.0, help="capacity per store node")
+    up.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help=f"KV pool per worker, GiB ({from_settings('kv_cache_gb')})",
+    )
+    up.add_argument("--kvstore-gb", type=float, default=1.0, help="capacity per store node, GiB")
     up.add_argument(
         "--no-prefix-cache",
         action="store_true",
@@ -95,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.bench.command import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    for _, p in parsers(parser):
+        p.formatter_class = HelpFormatter
     return parser
 
 
@@ -198,6 +291,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from shared.cluster.auth import generate_secret
     from shared.launcher import DEFAULT_PORTS, KVSTORE_DATA_PORT, LocalCluster, Topology
     from shared.model.registry import resolve
     from shared.supervisor import run_until_signalled
@@ -230,9 +324,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         step = 10 if role.startswith("kvstore") else 1
         return int(first[role]) + step * index
 
+    # one secret for the cluster's life (children restarted later get the same one)
+    secret = settings.cluster_secret or generate_secret()
+
     def topology(redis_url: str) -> Topology:
         return Topology(
             redis_url=redis_url,
+            cluster_secret=secret,
             prefill=args.prefill,
             decode=args.decode,
             kvstore=args.kvstore,

@@ -38,6 +38,15 @@ class ConfigError(BatonError):
     """A setting is invalid or unsupported on this machine (e.g. float16 on CPU)."""
 
 
+class PortInUseError(ConfigError):
+    """Another socket listens on a port Baton must listen on (one in TIME_WAIT does not)."""
+
+    def __init__(self, port: int, what: str = ""):
+        super().__init__(f"port {port}{f' ({what})' if what else ''} is already in use")
+        self.port = port
+        self.what = what
+
+
 class KernelBuildError(BatonError):
     """A native CPU kernel could not be compiled or loaded (no compiler, compile failed)."""
 
@@ -102,6 +111,12 @@ class KVBadRequestError(KVStoreError):
     """The request is malformed: wrong sizes, unknown op, oversized put, bad layer range."""
 
     code = "bad_request"
+
+
+class KVUnauthorizedError(KVStoreError):
+    """The connection did not prove the cluster secret (missing, wrong or replayed)."""
+
+    code = "unauthorized"
 
 
 class KVUnavailableError(KVStoreError):

@@ -15,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.cluster.auth import ClusterSecret, generate_secret
+from shared.errors import ConfigError
+from shared.ports import check_port_free
 from shared.procs import RedisProcess, ServiceProcess
 
 ROLE_MODULES = {
@@ -47,6 +50,12 @@ class ServiceSpec:
 
     def command(self, python: str = "python") -> list[str]:
         return [python, "-m", self.module]
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """What this service listens on (every interface), by what it serves there."""
+        data = self.env.get("BATON_KVSTORE_DATA_PORT") if self.role == "kvstore" else None
+        return {"HTTP": self.http_port, **({"data plane": int(data)} if data else {})}
 
 
 PortFn = Callable[[str, int], int]  # (role, replica index) -> port
@@ -81,6 +90,8 @@ class Topology:
     # role -> CPUs of the engine thread alone (the rest of the process stays on `cpus`)
     engine_cpus: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # what every internal call must present; None: the services run open (warned)
+    cluster_secret: str | None = field(default_factory=generate_secret, repr=False)
 
 
 def plan(topo: Topology) -> list[ServiceSpec]:
@@ -89,6 +100,8 @@ def plan(topo: Topology) -> list[ServiceSpec]:
         common["BATON_MODEL"] = topo.model
     if topo.dtype:
         common["BATON_DTYPE"] = topo.dtype
+    if topo.cluster_secret:
+        common["BATON_CLUSTER_SECRET"] = topo.cluster_secret
     if not topo.prefix_caching:
         common["BATON_ENABLE_PREFIX_CACHING"] = "false"
     if topo.replication > 1:
@@ -141,6 +154,10 @@ def plan(topo: Topology) -> list[ServiceSpec]:
     return specs
 
 
+# compose refuses to start without it: `BATON_CLUSTER_SECRET=$(openssl rand -hex 32)`
+COMPOSE_SECRET = "${BATON_CLUSTER_SECRET:?set BATON_CLUSTER_SECRET to a random string}"
+
+
 def compose_plan() -> list[ServiceSpec]:
     """What docker-compose.yml must run: one replica per role, container addresses.
 
@@ -153,8 +170,29 @@ def compose_plan() -> list[ServiceSpec]:
             transport="ucx",
             threads=None,
             extra_env={"UCX_TLS": "tcp"},
+            cluster_secret=COMPOSE_SECRET,
         )
     )
+
+
+def check_ports(specs: list[ServiceSpec]) -> None:
+    """Before anything loads a model: every port the plan listens on is free (TIME_WAIT
+    left by a cluster just stopped counts as free) and planned once. Raises one
+    :class:`ConfigError` line naming the instance and the port."""
+    owners: dict[int, str] = {}
+    for spec in specs:
+        for what, port in spec.ports.items():
+            if not port:
+                continue
+            if port in owners:
+                raise ConfigError(
+                    f"port {port} is planned twice: {owners[port]} and {spec.name} ({what})"
+                )
+            owners[port] = f"{spec.name} ({what})"
+            try:
+                check_port_free("0.0.0.0", port, what)
+            except ConfigError as exc:
+                raise ConfigError(f"{spec.name}: {exc}") from None
 
 
 class LocalCluster:
@@ -176,6 +214,16 @@ class LocalCluster:
         self.specs: list[ServiceSpec] = []
 
     @property
+    def secret(self) -> ClusterSecret:
+        """The secret the services were given (for tests and tools that call them)."""
+        return ClusterSecret(self.specs[0].env.get("BATON_CLUSTER_SECRET") if self.specs else None)
+
+    def secret_env(self) -> dict[str, str]:
+        """The environment a further service joining this cluster needs."""
+        value = self.secret.value
+        return {"BATON_CLUSTER_SECRET": value} if value else {}
+
+    @property
     def gateway_url(self) -> str:
         gw = next(s for s in self.specs if s.role == "gateway")
         return f"http://127.0.0.1:{gw.http_port}"
@@ -184,6 +232,7 @@ class LocalCluster:
         try:
             self.redis.start()
             self.specs = plan(self.topo_for(self.redis.url))
+            check_ports(self.specs)
             stages = [["kvstore"], ["prefill", "decode", "colocated"], ["gateway"]]
             for roles in stages:
                 started = [self._start(s) for s in self.specs if s.role in roles]
@@ -202,6 +251,7 @@ class LocalCluster:
             f"http://127.0.0.1:{spec.http_port}/ready",
             log,
             prefix=spec.name if self.prefix_output else None,
+            name=spec.name,
         )
         self.procs[spec.name] = proc.start()
         return proc

@@ -18,25 +18,42 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+TRACEBACK = "Traceback (most recent call last):"
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line; a traceback goes in ``exc`` (``msg`` stays one line)."""
+
     def __init__(self, service: str):
         super().__init__()
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        exc = self.formatException(record.exc_info) if record.exc_info else record.exc_text
+        at = msg.find(TRACEBACK)
+        if at >= 0:
+            # a traceback formatted into the message (Starlette hands uvicorn a failed
+            # lifespan that way): "msg" keeps the text before it, else the exception's
+            # last line, and the traceback goes where tracebacks go
+            head, text = msg[:at].strip(), msg[at:].rstrip()
+            msg = head or text.splitlines()[-1]
+            exc = f"{text}\n{exc}" if exc else text
         entry: dict[str, object] = {
             "ts": round(record.created, 3),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
             "level": record.levelname.lower(),
             "service": self.service,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": msg,
         }
         rid = getattr(record, "request_id", None) or request_id_var.get()
         if rid:
             entry["request_id"] = rid
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
+        if exc:
+            entry["exc"] = exc
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, ensure_ascii=False)
 
 

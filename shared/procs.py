@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from shared.errors import ConfigError
+from shared.ports import check_port_free
 
 PR_SET_PDEATHSIG = 1
 
@@ -110,6 +111,9 @@ class RedisProcess:
         raise AssertionError("unreachable")
 
     def _start(self, timeout_s: float) -> RedisProcess:
+        # redis-server binds with SO_REUSEADDR itself (a restart is not held up by TIME_WAIT);
+        # a port another process holds is found here, as one clear error
+        check_port_free("127.0.0.1", self.port, "redis")
         self._dir = tempfile.mkdtemp(prefix="baton-redis-")
         args = [
             redis_server_binary(),
@@ -118,6 +122,7 @@ class RedisProcess:
             "--save", "",
             "--appendonly", "no",
             "--dir", self._dir,
+            "--logfile", "redis.log",  # in --dir: why it did not start, if it did not
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             args,
@@ -130,6 +135,9 @@ class RedisProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                with contextlib.suppress(OSError):
+                    log = Path(self._dir, "redis.log").read_text(errors="replace")
+                    err = "\n".join([*log.strip().splitlines()[-1:], err.strip()])
                 raise ConfigError(f"redis-server exited at start: {err.strip()}")
             with (
                 contextlib.suppress(OSError),
@@ -165,8 +173,10 @@ class ServiceProcess:
         log_path: Path | None = None,
         *,
         prefix: str | None = None,
+        name: str | None = None,
     ):
         self.module = module
+        self.name = name or prefix or module
         self.env = {**os.environ, **env}
         self.ready_url = ready_url
         self.log_path = log_path
@@ -207,12 +217,22 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
-                raise ConfigError(f"{self.module} exited during start-up:\n{self.log_tail()}")
+                raise ConfigError(self._start_failure())
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.ready_url, timeout=1.0).status_code == 200:
                     return self
             time.sleep(0.1)
         raise ConfigError(f"{self.module} not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def _start_failure(self) -> str:
+        """The service's own one-line error (a port in use, a bad setting), else its log's end."""
+        tail = self.log_tail()
+        said = [
+            line for line in tail.splitlines() if line.startswith("baton ") and ": error: " in line
+        ]
+        if said:
+            return f"{self.name}: {said[-1].split(': error: ', 1)[1]}"
+        return f"{self.name} exited during start-up:\n{tail}"
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None:

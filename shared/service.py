@@ -6,19 +6,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Protocol, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
 from shared.errors import BatonError
 from shared.logs import configure_logging
+from shared.ports import listen_socket
 
 
 class Component(Protocol):
@@ -66,6 +71,12 @@ class _DrainingServer(uvicorn.Server):
         # a signal handler may run while the loop sleeps in select(): wake it up
         asyncio.get_running_loop().call_soon_threadsafe(start)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:  # uvicorn announces only the sockets it bound itself
+            host, port = sockets[0].getsockname()[:2]
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d", host, port)
+
 
 C = TypeVar("C", bound=Component)
 
@@ -77,8 +88,12 @@ def service_app(title: str, build: Callable[[], Awaitable[Component]]) -> FastAP
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        component = await build()
-        await component.start()
+        try:
+            component = await build()
+            await component.start()
+        except Exception as exc:  # run_service reports it once the server gives up
+            app.state.startup_error = exc
+            raise
         app.state.component = component
         try:
             yield
@@ -107,14 +122,87 @@ def _settings_error(exc: ValidationError) -> str:
     return f"{where}: {first['msg']}"
 
 
-def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> None:
-    """Build the app from the environment and serve it until SIGINT/SIGTERM."""
+class _ReportedStartupFailure(logging.Filter):
+    """Starlette hands uvicorn a failed start-up as a formatted traceback, which uvicorn
+    logs as the message. A failure Baton expects (a :class:`BatonError`: a port in use,
+    Redis unreachable, ...) is reported by :func:`run_service` as one line instead, so
+    its traceback record is dropped; any other keeps it (in the JSON record's ``exc``)."""
+
+    def __init__(self, app: FastAPI):
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        expected = isinstance(getattr(self.app.state, "startup_error", None), BatonError)
+        return not (expected and str(record.msg).startswith("Traceback (most recent call"))
+
+
+# read by run_service itself (every other variable by a settings class): name -> default
+PROCESS_ENV = {
+    "BATON_LOG_LEVEL": "info",
+    "BATON_LOG_FORMAT": "json",  # or text
+    "BATON_CPUS": "",  # a CPU list pins the whole process, e.g. 0,1 (empty: no pinning)
+}
+
+
+def settings_help(module: str, settings: Sequence[type[BaseSettings]]) -> str:
+    """``python -m services.<role> --help``: every variable the service reads, with its
+    default (from the settings classes themselves)."""
+    rows: list[tuple[str, str]] = []
+    for cls in settings:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        for field_name, field in cls.model_fields.items():
+            if field.default_factory is not None:  # a path is shown; an id, an address vary
+                made = field.get_default(call_default_factory=True)
+                default = str(made) if isinstance(made, Path) else "computed at start"
+            elif field.default in (None, "", ()):
+                default = "unset"
+            else:
+                default = str(field.default)
+            rows.append((f"{prefix}{field_name}".upper(), default))
+    rows += [(var, default or "unset") for var, default in PROCESS_ENV.items()]
+    width = max(len(var) for var, _ in rows)
+    return "\n".join(
+        [
+            f"usage: python -m {module}",
+            "",
+            "Takes no arguments: every setting is an environment variable.",
+            "",
+            *(f"  {var:<{width}}  (default: {default})" for var, default in rows),
+        ]
+    )
+
+
+def _arguments(name: str, settings: Sequence[type[BaseSettings]]) -> None:
+    args = sys.argv[1:]
+    if not args:
+        return
+    if args[0] in ("-h", "--help"):
+        print(settings_help(f"services.{name}", settings))
+        sys.exit(0)
+    print(
+        f"baton {name}: error: takes no arguments, got {' '.join(args)!r} "
+        "(settings are BATON_* variables: see --help)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
+
+def run_service(
+    name: str,
+    build: Callable[[], tuple[FastAPI, str, int]],
+    settings: Sequence[type[BaseSettings]] = (),
+) -> None:
+    """Build the app from the environment (``settings``: the classes it reads, for
+    ``--help``) and serve it until SIGINT/SIGTERM."""
+    _arguments(name, settings)
     # a crash in native code (kernels, UCX) prints every thread's Python stack to
     # stderr, which is the service's log, instead of ending the log mid-line
     faulthandler.enable()
-    level = os.environ.get("BATON_LOG_LEVEL", "info").upper()
-    configure_logging(name, level=level, fmt=os.environ.get("BATON_LOG_FORMAT", "json"))
-    cpus = os.environ.get("BATON_CPUS")
+    env = {var: os.environ.get(var, default) for var, default in PROCESS_ENV.items()}
+    level = env["BATON_LOG_LEVEL"].upper()
+    configure_logging(name, level=level, fmt=env["BATON_LOG_FORMAT"])
+    cpus = env["BATON_CPUS"]
     if cpus:  # pin this process (benchmarks compare deployments on the same cores)
         try:
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",") if c.strip()})
@@ -129,6 +217,13 @@ def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> Non
     except BatonError as exc:
         print(f"baton {name}: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    try:
+        # held from here on, before the (slow) start-up: a second instance fails at once;
+        # SO_REUSEADDR, so a restart right after a stop binds over connections in TIME_WAIT
+        sock = listen_socket(host, port, "HTTP")
+    except BatonError as exc:
+        print(f"baton {name}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     config = uvicorn.Config(
         app,
         host=host,
@@ -138,4 +233,18 @@ def run_service(name: str, build: Callable[[], tuple[FastAPI, str, int]]) -> Non
         log_config=None,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,  # after a drain: streams left are cut
     )
-    _DrainingServer(config, app).run()
+    logging.getLogger("uvicorn.error").addFilter(_ReportedStartupFailure(app))
+    server = _DrainingServer(config, app)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:
+        if server.started:
+            raise
+        error = getattr(app.state, "startup_error", None)
+        if isinstance(error, BatonError):
+            print(f"baton {name}: error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if error is not None:  # unexpected: its traceback is in the log record before
+            what = f"{type(error).__name__}: {error}"
+            print(f"baton {name}: error: start-up failed: {what}", file=sys.stderr, flush=True)
+        sys.exit(1)

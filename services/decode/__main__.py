@@ -16,4 +16,4 @@ def build() -> tuple[FastAPI, str, int]:
 
 
 if __name__ == "__main__":
-    run_service("decode", build)
+    run_service("decode", build, (DecodeSettings, BatonSettings))

@@ -16,4 +16,4 @@ def build() -> tuple[FastAPI, str, int]:
 
 
 if __name__ == "__main__":
-    run_service("gateway", build)
+    run_service("gateway", build, (GatewaySettings, BatonSettings))

@@ -16,4 +16,4 @@ def build() -> tuple[FastAPI, str, int]:
 
 
 if __name__ == "__main__":
-    run_service("prefill", build)
+    run_service("prefill", build, (PrefillSettings, BatonSettings))

@@ -17,6 +17,7 @@ from shared.bench import workload as wl
 from shared.bench.metrics import SLO, summarize
 from shared.bench.report import RunReport, text_summary, write_json, write_png
 from shared.bench.runner import Target, discover_model, run_conversations, run_open_loop
+from shared.config import DEFAULT_BLOCK_SIZE
 from shared.errors import InvalidRequestError
 
 WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn", "prefix-trace")
@@ -26,9 +27,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (ours or another)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
-    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (default: none)")
+    p.add_argument("--workload", choices=WORKLOADS, default="synthetic", help="what to send")
+    p.add_argument("--num-prompts", type=int, default=50, help="requests per run")
     p.add_argument(
         "--request-rate",
         default="inf",
@@ -40,9 +41,14 @@ def add_parser(sub: Any) -> None:
         default=1.0,
         help="gamma shape; 1 = Poisson, inf = evenly spaced",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on requests in flight (default: none)",
+    )
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument(
@@ -62,19 +68,25 @@ def add_parser(sub: Any) -> None:
         "--trace-block-size", type=int, default=512, help="prefix-trace: tokens per hash id"
     )
     p.add_argument(
-        "--cache-block-size", type=int, default=16,
+        "--cache-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
         help="prefix-trace: the server's KV block size (the oracle counts whole blocks)",
     )  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: <1 stretches time")
     p.add_argument("--token-scale", type=float, default=1.0, help="trace: scales token counts")
-    p.add_argument("--max-input", type=int, default=4096)
-    p.add_argument("--max-output", type=int, default=512)
-    p.add_argument("--slo", default=None, help="e.g. ttft=2,tpot=0.2,e2e=30 (seconds; or 500ms)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"))
+    p.add_argument("--max-input", type=int, default=4096, help="trace: cap on prompt tokens")
+    p.add_argument("--max-output", type=int, default=512, help="trace: cap on output tokens")
+    p.add_argument(
+        "--slo",
+        default=None,
+        help="goodput targets, e.g. ttft=2,tpot=0.2,e2e=30 (seconds; or 500ms; default: none)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument(
+        "--out", type=Path, default=Path("bench-results/bench.json"), help="results (JSON)"
+    )
     p.add_argument("--plot", type=Path, default=None, help="PNG (default: next to --out)")
-    p.add_argument("--label", default="")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--label", default="", help="names the run (default: the workload)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _rates(text: str) -> list[float]:

@@ -13,7 +13,8 @@ import logging
 import socket
 from collections.abc import Sequence
 
-from shared.errors import PeerLostError, ProtocolError, TransportError, TransportTimeoutError
+from shared.errors import PeerLostError, ProtocolError, TransportTimeoutError
+from shared.ports import listen_socket
 from shared.transport.base import (
     PREAMBLE,
     Buffer,
@@ -183,14 +184,9 @@ class TcpTransport(Transport):
     name = "tcp"
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from exc
-        sock.listen(256)
+        # SO_REUSEADDR: a restart binds while the old connections sit in TIME_WAIT;
+        # a port another process listens on is PortInUseError
+        sock = listen_socket(host, port, "data plane", backlog=256)
         sock.setblocking(False)
         return TcpListener(sock, handler)
 

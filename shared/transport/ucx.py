@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import PeerLostError, ProtocolError, TransportError, TransportTimeoutError
+from shared.ports import check_port_free
 from shared.transport.base import (
     PREAMBLE,
     Buffer,
@@ -326,6 +327,10 @@ class UcxTransport(Transport):
                     tasks.discard(task)
                 await conn.close()
 
+        # UCX binds every interface and only logs why a bind failed: a port another
+        # process listens on is found here first, as one clear error (TIME_WAIT is no
+        # obstacle: the same SO_REUSEADDR as UCX_CM_REUSEADDR)
+        check_port_free("0.0.0.0", port, "data plane")
         try:
             listener = self._ucxx.create_listener(on_connect, port=port or None)
         except self._errors as exc:
