@@ -288,8 +288,10 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
                     rng = random.Random(f"{args.seed}:{rep}:{p}")
                     prefix = [rng.randrange(1000, 30000) for _ in range(p)]
                     prompt = prefix + [rng.randrange(1000, 30000) for _ in range(16)]
-                    _prefill(warm_url, f"warm-{rep}-{p}", [*prefix, 7])
-                    times[p].append(_prefill(cold_url, f"cold-{rep}-{p}-{policy}", prompt))
+                    auth = local.secret.headers()
+                    _prefill(warm_url, f"warm-{rep}-{p}", [*prefix, 7], auth)
+                    cold = _prefill(cold_url, f"cold-{rep}-{p}-{policy}", prompt, auth)
+                    times[p].append(cold)
         out[policy] = {p: statistics.median(v) for p, v in times.items()}
         print(policy, {p: f"{v * 1e3:.1f} ms" for p, v in out[policy].items()})
     winners = [p for p in lengths if out["always"][p] < out["never"][p]]
@@ -298,7 +300,7 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _prefill(url: str, rid: str, prompt: list[int]) -> float:
+def _prefill(url: str, rid: str, prompt: list[int], headers: dict[str, str]) -> float:
     """Prefill compute time (first layer to first token) as the instance reports it."""
     body = {
         "request_id": rid,
@@ -306,7 +308,7 @@ def _prefill(url: str, rid: str, prompt: list[int]) -> float:
         "sampling": {"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "seed": 1},
     }
     compute = None
-    with httpx.stream("POST", url + "/v1/prefill", json=body, timeout=120) as r:
+    with httpx.stream("POST", url + "/v1/prefill", json=body, headers=headers, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             event = json.loads(line)

@@ -20,6 +20,7 @@ from services.kvstore.dataplane import DataPlane
 from services.kvstore.metrics import StoreMetrics
 from services.kvstore.settings import KVStoreSettings
 from services.kvstore.store import BlockStore
+from shared.cluster.auth import AuthMetrics, ClusterSecret
 from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member
@@ -45,7 +46,15 @@ class KVStoreNode:
         self.publisher = IndexPublisher(index, settings.instance_id)
         self.store = BlockStore(settings.store_config(), self.metrics, self.publisher)
         self.metrics.bind_gauges(self.store.stats)
-        self.dataplane = DataPlane(self.store, self.metrics, self._publish)
+        secret = ClusterSecret(cluster.secret)
+        secret.warn_if_open("kvstore")
+        self.dataplane = DataPlane(
+            self.store,
+            self.metrics,
+            self._publish,
+            secret=secret,
+            auth_metrics=AuthMetrics(self.metrics.registry),
+        )
         self.transport: Transport | None = None
         self.listener: Listener | None = None
         self.heartbeat: Heartbeat | None = None

@@ -4,6 +4,10 @@ Every frame is answered; a refused op answers an error body and the
 connection stays usable (an unwanted payload is drained first). Only a broken
 stream (peer gone, garbage preamble) ends the connection. When a client's last
 connection ends, its unfinished reservations are freed.
+
+When the cluster has a secret, a connection's first frame must be a hello that
+proves it (:mod:`shared.cluster.auth`); anything else gets one ``unauthorized``
+refusal, is counted, and the connection is closed.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pydantic import ValidationError
 
 from services.kvstore.metrics import StoreMetrics
 from services.kvstore.store import BlockStore, Entry
-from shared.errors import KVBadRequestError, KVStoreError, TransportError
+from shared.cluster.auth import AuthMetrics, ClusterSecret, HelloProof, ProofChecker
+from shared.errors import KVBadRequestError, KVStoreError, KVUnauthorizedError, TransportError
 from shared.kvstore.protocol import (
     REQUEST,
     Commit,
@@ -59,8 +64,13 @@ class DataPlane:
         store: BlockStore,
         metrics: StoreMetrics,
         publish: Callable[[], Awaitable[object]] | None = None,
+        *,
+        secret: ClusterSecret | None = None,
+        auth_metrics: AuthMetrics | None = None,
     ):
         self.store = store
+        self.proofs = ProofChecker(secret or ClusterSecret())
+        self.auth_metrics = auth_metrics
         self.metrics = metrics
         self.publish = publish  # awaited after a commit: the reply means "indexed"
         self._clients: Counter[str] = Counter()
@@ -71,6 +81,13 @@ class DataPlane:
         self._clients[client] += 1
         self.metrics.connections.inc()
         try:
+            if self.proofs.secret.enabled:
+                admitted = await self._admit(conn, await conn.recv())
+                if admitted is None:
+                    return
+                self._leave(client)
+                client = admitted
+                self._clients[client] += 1
             while True:
                 frame = await conn.recv()
                 client = await self._one(conn, frame, client)
@@ -79,6 +96,28 @@ class DataPlane:
         finally:
             self.metrics.connections.dec()
             self._leave(client)
+
+    async def _admit(self, conn: Connection, frame: Frame) -> str | None:
+        """The client id of a hello that proves the secret; else refuse, close, None."""
+        try:
+            req = REQUEST.validate_json(frame.header)
+        except ValidationError:
+            req = None
+        if isinstance(req, Hello) and not frame.sizes:
+            auth = req.auth
+            proof = None if auth is None else HelloProof(auth.nonce, auth.ts, auth.mac)
+            if self.proofs.accepts(req.client_id, proof):
+                await conn.send(OK)
+                return req.client_id
+        if self.auth_metrics is not None:
+            self.auth_metrics.refused.labels("dataplane").inc()
+        log.warning("refused a data connection from %s: no valid cluster secret", conn.peer)
+        self.metrics.errors.labels("unauthorized").inc()
+        if frame.sizes:
+            await conn.discard(frame)
+        await conn.send(_error(KVUnauthorizedError("the KV data plane needs the cluster secret")))
+        await conn.close()
+        return None
 
     def _leave(self, client: str) -> None:
         self._clients[client] -= 1

@@ -35,6 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Member, live_members
@@ -149,8 +150,10 @@ class KVStoreClient:
         timeout_s: float = 30.0,
         refresh_s: float = 1.0,
         down_s: float = 3.0,
+        secret: ClusterSecret | None = None,
     ):
         self.transport = transport
+        self.secret = secret or ClusterSecret()
         self.redis = redis
         self.keys = keys
         self.replication = replication
@@ -215,7 +218,9 @@ class KVStoreClient:
             return node
         if node is not None:
             self._retired.append(node)  # its connections lead to the old process
-        node = NodeClient(self.transport, member, self.client_id, timeout_s=self.timeout_s)
+        node = NodeClient(
+            self.transport, member, self.client_id, timeout_s=self.timeout_s, secret=self.secret
+        )
         self._nodes[member.instance_id] = node
         return node
 

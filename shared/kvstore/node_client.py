@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from pydantic import ValidationError
 
+from shared.cluster.auth import ClusterSecret
 from shared.cluster.membership import Member
 from shared.errors import (
     KVBadRequestError,
     KVMissError,
     KVNoSpaceError,
     KVStoreError,
+    KVUnauthorizedError,
     KVUnavailableError,
     KVWaitTimeoutError,
     ProtocolError,
@@ -33,6 +35,7 @@ from shared.kvstore.protocol import (
     Commit,
     Get,
     Hello,
+    HelloAuth,
     LayerRange,
     Lease,
     Lookup,
@@ -55,6 +58,7 @@ ERRORS: dict[str, type[KVStoreError]] = {
         KVNoSpaceError,
         KVWaitTimeoutError,
         KVBadRequestError,
+        KVUnauthorizedError,
         KVUnavailableError,
     )
 }
@@ -83,6 +87,7 @@ class NodeClient:
         *,
         max_connections: int = 8,
         timeout_s: float = 30.0,
+        secret: ClusterSecret | None = None,
     ):
         if member.data_port is None:
             raise ValueError(f"store node {member.instance_id} has no data port")
@@ -90,6 +95,7 @@ class NodeClient:
         self.transport = transport
         self.client_id = client_id
         self.timeout_s = timeout_s
+        self.secret = secret or ClusterSecret()
         self._idle: list[Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
 
@@ -128,8 +134,14 @@ class NodeClient:
         conn = await self.transport.connect(
             self.member.host, int(self.member.data_port or 0), timeout=self.timeout_s
         )
-        await conn.send(encode(Hello(client_id=self.client_id)))
-        await self._reply(conn)
+        proof = self.secret.prove(self.client_id)
+        auth = None if proof is None else HelloAuth(nonce=proof.nonce, ts=proof.ts, mac=proof.mac)
+        await conn.send(encode(Hello(client_id=self.client_id, auth=auth)))
+        try:
+            _raise_for(await self._reply(conn))
+        except KVStoreError:
+            await conn.close()
+            raise
         return conn
 
     async def _reply(self, conn: Connection) -> Response:

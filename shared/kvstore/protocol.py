@@ -44,9 +44,20 @@ class LayerRange(_Wire):
         return self
 
 
+class HelloAuth(_Wire):
+    """Proof of the cluster secret (see :mod:`shared.cluster.auth`)."""
+
+    nonce: Annotated[str, Field(min_length=32, max_length=32)]
+    ts: float
+    mac: Annotated[str, Field(min_length=64, max_length=64)]
+
+
 class Hello(_Wire):
+    """A connection's first frame: who the client is, and its proof of the secret."""
+
     op: Literal["hello"] = "hello"
     client_id: Annotated[str, Field(min_length=1, max_length=128)]
+    auth: HelloAuth | None = None
 
 
 class BlockSpec(_Wire):

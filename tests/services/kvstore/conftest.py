@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
+from shared.cluster.auth import ClusterSecret
 from shared.cluster.keys import Keys
 from shared.errors import ConfigError
 from shared.kvstore.client import KVStoreClient
@@ -33,7 +34,12 @@ def start_store(redis_server: RedisProcess, tmp_path: Path) -> Iterator[StoreFac
     started: list[StoreNode] = []
 
     def start(
-        transport: str, prefix: str, *, redis_url: str | None = None, **settings: str
+        transport: str,
+        prefix: str,
+        *,
+        redis_url: str | None = None,
+        secret: str | None = None,
+        **settings: str,
     ) -> StoreNode:
         for attempt in range(3):
             http = free_port()
@@ -54,6 +60,8 @@ def start_store(redis_server: RedisProcess, tmp_path: Path) -> Iterator[StoreFac
                 "BATON_LOG_LEVEL": "warning",
             }
             env.update({f"BATON_KVSTORE_{k.upper()}": v for k, v in settings.items()})
+            if secret is not None:
+                env["BATON_CLUSTER_SECRET"] = secret
             log = tmp_path / f"{instance_id}.log"
             proc = ServiceProcess("services.kvstore", env, f"http://127.0.0.1:{http}/ready", log)
             node = StoreNode(proc.start(), http, instance_id)
@@ -61,7 +69,7 @@ def start_store(redis_server: RedisProcess, tmp_path: Path) -> Iterator[StoreFac
             try:
                 proc.wait_ready()
             except ConfigError as exc:  # a port taken between picking and binding
-                if "address already in use" not in str(exc) or attempt == 2:
+                if "already in use" not in str(exc) or attempt == 2:
                     raise
                 continue
             return node
@@ -83,7 +91,12 @@ async def make_client(
     clients: list[KVStoreClient] = []
 
     def make(
-        transport: str, prefix: str, *, replication: int = 1, timeout_s: float = 10.0
+        transport: str,
+        prefix: str,
+        *,
+        replication: int = 1,
+        timeout_s: float = 10.0,
+        secret: str | None = None,
     ) -> KVStoreClient:
         client = KVStoreClient(
             transports[transport],
@@ -92,6 +105,7 @@ async def make_client(
             replication=replication,
             timeout_s=timeout_s,
             refresh_s=0.1,
+            secret=ClusterSecret(secret),
         )
         clients.append(client)
         return client

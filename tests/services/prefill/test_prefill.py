@@ -4,6 +4,7 @@ sends are exactly the KV the in-process engine computes for the same prompt."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS, Prefiller
 from services.prefill.settings import PrefillSettings
+from shared.cluster.auth import SECRET_HEADER
 from shared.cluster.keys import Keys
 from shared.config import BatonSettings
 from shared.engine.sampling_params import SamplingParams
@@ -37,11 +39,11 @@ async def test_layers_reach_the_store_before_the_first_token(
         "sampling": {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": 1},
     }
     redis = aioredis.from_url(cluster.local.redis.url)
-    kv = KVStoreClient(transports["ucx"], redis, Keys("baton"))
+    kv = KVStoreClient(transports["ucx"], redis, Keys("baton"), secret=cluster.local.secret)
     order: list[tuple[str, object]] = []
     try:
         async with (
-            httpx.AsyncClient(timeout=120) as http,
+            httpx.AsyncClient(timeout=120, headers=cluster.local.secret.headers()) as http,
             http.stream("POST", f"http://127.0.0.1:{prefill.http_port}/v1/prefill", json=body) as r,
         ):
             assert r.status_code == 200
@@ -92,3 +94,26 @@ def test_prefill_caps_prompt_chunks_unless_told_otherwise(monkeypatch: pytest.Mo
     assert threshold() == PREFILL_CHUNK_TOKENS
     monkeypatch.setenv("BATON_LONG_PREFILL_TOKEN_THRESHOLD", "0")
     assert threshold() == 0
+
+
+def test_internal_routes_refuse_calls_without_the_cluster_secret(cluster: Cluster) -> None:
+    body = {
+        "request_id": "no-secret",
+        "prompt_token_ids": [1, 2, 3],
+        "sampling": {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": 1},
+    }
+    for spec in cluster.local.specs:
+        if spec.role not in ("prefill", "decode"):
+            continue
+        base = f"http://127.0.0.1:{spec.http_port}"
+        path = "/v1/prefill" if spec.role == "prefill" else "/v1/decode"
+        for headers in ({}, {SECRET_HEADER: "wrong-secret-of-some-length"}):
+            r = httpx.post(base + path, json=body, headers=headers, timeout=10)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "unauthorized"
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        found = re.search(
+            r'^baton_internal_auth_refused_total\{surface="http"\} (\S+)$', metrics, re.M
+        )
+        assert found is not None and float(found.group(1)) >= 2
+        assert httpx.get(base + "/ready", timeout=10).status_code == 200  # probes stay open
