@@ -56,6 +56,7 @@ class Colocated(Worker):
             async for event in tokens.events(outputs):
                 yield event
             finished = True
+            self._observe_prompt(len(req.prompt_token_ids), tokens)
             log.info(
                 "generated %d tokens after a %d-token prompt in %.3fs (%s)",
                 tokens.generated,
@@ -68,3 +69,12 @@ class Colocated(Worker):
             self.in_flight.pop(req.request_id, None)
             if not finished:
                 self.loop.post(lambda e: e.abort(req.request_id))
+
+    def _observe_prompt(self, num_prompt_tokens: int, tokens: TokenStream) -> None:
+        """The prompt's reuse and phases (Baton's series and vLLM's), once it has ended."""
+        if tokens.cache_hit is not None:
+            self.connector_metrics.observe_hit(num_prompt_tokens, tokens.cache_hit)
+        t = tokens.timings
+        if t is not None and t.first_token is not None:
+            started = t.scheduled if t.scheduled is not None else t.arrival
+            self.metrics.observe_prompt_phases(started - t.arrival, t.first_token - started)

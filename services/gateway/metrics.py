@@ -1,17 +1,67 @@
-"""The gateway's Prometheus metrics (vLLM's serving definitions: TTFT, TPOT, ITL, E2E)."""
+"""The gateway's Prometheus metrics (vLLM's serving definitions: TTFT, TPOT, ITL, E2E).
+
+The request-level series are exported twice: under Baton's names, and under vLLM's
+(``vllm:*``, label ``model_name``; see :mod:`shared.serving.metrics` for which process
+exports which). One method records both, so the two never disagree on what was seen.
+vLLM runs each of a request's ``n`` choices as a request of its own: its series count
+choices (TTFT, E2E, TPOT, finish reason and generated tokens per choice), Baton's count
+client requests. A request's prompt counts once either way.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shared.serving.metrics import latency_histogram
+from shared.serving.metrics import (
+    MODEL_LABEL,
+    VLLM_ITL_BUCKETS,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    latency_histogram,
+    request_tokens_buckets,
+    vllm_counter,
+    vllm_histogram,
+)
+
+# vLLM's ``finished_reason`` of a choice that ended without one, by the request's outcome
+_UNFINISHED_REASON = {"ok": "stop", "client_gone": "abort"}
+
+
+@dataclass
+class ChoiceTimes:
+    """When one choice of a request got its first and latest token, and how it ended."""
+
+    first: float
+    last: float
+    tokens: int = 1
+    finish_reason: str | None = None
+
+    def add(self, now: float, finish_reason: str | None) -> None:
+        self.last = now
+        self.tokens += 1
+        self.finish_reason = finish_reason or self.finish_reason
+
+
+class PromptTokens:
+    """Prompt tokens under both names, and vLLM's per-request prompt length histogram:
+    ``inc`` once per admitted request."""
+
+    def __init__(self, baton: Counter, total: Counter, per_request: Histogram):
+        self._baton, self._total, self._per_request = baton, total, per_request
+
+    def inc(self, n: int) -> None:
+        self._baton.inc(n)
+        self._total.inc(n)
+        self._per_request.observe(n)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.ttft = latency_histogram(r, "baton_ttft_seconds", "Request arrival to first token")
         self.tpot = latency_histogram(r, "baton_tpot_seconds", "(E2E - TTFT) / (output tokens - 1)")
         self.itl = latency_histogram(r, "baton_itl_seconds", "Gap between consecutive tokens")
@@ -19,7 +69,6 @@ class GatewayMetrics:
         self.requests = Counter(
             "baton_requests", "Finished requests by outcome", ["outcome"], registry=r
         )
-        self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens", registry=r)
         self.output_tokens = Counter("baton_output_tokens", "Generated tokens", registry=r)
         self.in_flight = Gauge("baton_requests_in_flight", "Requests being served", registry=r)
         self.queue = Gauge(
@@ -65,6 +114,111 @@ class GatewayMetrics:
             "replication watermark)",
             registry=r,
         )
+
+        self._vllm(r, max_model_len)
+        self.prompt_tokens = PromptTokens(
+            Counter("baton_prompt_tokens", "Prompt tokens", registry=r),
+            self.vllm_prompt_tokens,
+            self.vllm_request_prompt_tokens,
+        )
+
+    def _vllm(self, r: CollectorRegistry, max_model_len: int) -> None:
+        """vLLM's request-level series (names, types, buckets, documentation)."""
+        m = self.model_name
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return vllm_histogram(r, name, doc, buckets).labels(m)
+
+        def counter(name: str, doc: str) -> Counter:
+            return vllm_counter(r, name, doc).labels(m)
+
+        self.vllm_ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            VLLM_TTFT_BUCKETS,
+        )
+        self.vllm_itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            VLLM_ITL_BUCKETS,
+        )
+        self.vllm_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            VLLM_ITL_BUCKETS,
+        )
+        self.vllm_e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.vllm_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.vllm_prompt_tokens = counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        )
+        self.vllm_generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.vllm_request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            request_tokens_buckets(max_model_len),
+        )
+        self.vllm_request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            request_tokens_buckets(max_model_len),
+        )
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [MODEL_LABEL, "finished_reason"],
+            registry=r,
+        )
+        for reason in ("stop", "length", "abort", "error"):  # at 0 from the start, as vLLM
+            self.vllm_success.labels(m, reason)
+
+    def first_token(self, seconds: float, *, of_request: bool) -> None:
+        """A choice's first token, ``seconds`` after the request arrived (``of_request``:
+        the request's first token, of any choice)."""
+        self.vllm_ttft.observe(seconds)
+        if of_request:
+            self.ttft.observe(seconds)
+
+    def next_token(self, gap: float) -> None:
+        """A choice's next token, ``gap`` seconds after its previous one."""
+        self.itl.observe(gap)
+        self.vllm_itl.observe(gap)
+
+    def finished(self, outcome: str, start: float, choices: Sequence[ChoiceTimes]) -> None:
+        """A request that was admitted has ended (``outcome``: ok, error, client_gone)."""
+        tokens = sum(c.tokens for c in choices)
+        self.requests.labels(outcome).inc()
+        self.output_tokens.inc(tokens)
+        self.vllm_generation_tokens.inc(tokens)
+        unfinished = _UNFINISHED_REASON.get(outcome, "error")
+        if not choices:
+            self.vllm_success.labels(self.model_name, unfinished).inc()
+        for c in choices:
+            self.vllm_success.labels(self.model_name, c.finish_reason or unfinished).inc()
+            if c.finish_reason is None:
+                continue
+            decode = c.last - c.first
+            self.vllm_e2e.observe(c.last - start)
+            self.vllm_decode_time.observe(decode)
+            self.vllm_tpot.observe(decode / (c.tokens - 1) if c.tokens > 1 else 0.0)
+            self.vllm_request_generation_tokens.observe(c.tokens)
+        if outcome != "ok" or not choices:
+            return
+        first, last = min(c.first for c in choices), max(c.last for c in choices)
+        longest = max(c.tokens for c in choices)
+        self.e2e.observe(last - start)
+        if longest > 1:
+            self.tpot.observe((last - first) / (longest - 1))
 
     def observe_cache(self, predicted: int, actual: int) -> None:
         self.cached_tokens.inc(actual)

@@ -31,6 +31,7 @@ class StoreMetrics:
         )
         self.blocks_held = Gauge("baton_kvstore_blocks_held", "Committed blocks", registry=r)
         self.bytes_used = Gauge("baton_kvstore_bytes_used", "Arena bytes in use", registry=r)
+        self.capacity = Gauge("baton_kvstore_capacity_bytes", "Arena size in bytes", registry=r)
         self.connections = Gauge("baton_kvstore_connections", "Open data connections", registry=r)
 
     def lookup(self, hits: int, asked: int) -> None:
@@ -44,6 +45,7 @@ class StoreMetrics:
     def bind_gauges(self, stats: Callable[[], dict[str, float]]) -> None:
         self.blocks_held.set_function(lambda: stats()["blocks_held"])
         self.bytes_used.set_function(lambda: stats()["bytes_used"])
+        self.capacity.set_function(lambda: stats()["capacity_bytes"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,6 +44,7 @@ PREFILL_CHUNK_TOKENS = 256
 
 class PrefillMetrics:
     def __init__(self, base: WorkerMetrics):
+        self.base = base
         r = base.registry
         self.compute_s = latency_histogram(
             r, "baton_prefill_compute_seconds", "Start of compute to first token"
@@ -56,6 +57,12 @@ class PrefillMetrics:
             "baton_prefill_exposed_transfer_seconds",
             "First token to KV committed in the store (transfer not hidden by compute)",
         )
+
+    def observe_first_token(self, queue_s: float, compute_s: float) -> None:
+        """Baton's names and vLLM's (queue and prefill time)."""
+        self.queue_s.observe(queue_s)
+        self.compute_s.observe(compute_s)
+        self.base.observe_prompt_phases(queue_s, compute_s)
 
 
 class Prefiller(Worker):
@@ -122,8 +129,7 @@ class Prefiller(Worker):
             t = out.timings
             started = t.scheduled if t.scheduled is not None else t.arrival
             queue_s, compute_s = started - t.arrival, first_at - started
-            self.prefill_metrics.queue_s.observe(queue_s)
-            self.prefill_metrics.compute_s.observe(compute_s)
+            self.prefill_metrics.observe_first_token(queue_s, compute_s)
             self.connector_metrics.observe_hit(req.num_prompt_tokens, out.cache_hit)
             lp = out.new_logprobs[0] if out.new_logprobs else None
             yield FirstTokenEvent(

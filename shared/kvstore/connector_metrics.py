@@ -1,16 +1,22 @@
-"""Prometheus metrics of prefix reuse and KV movement (one set per instance)."""
+"""Prometheus metrics of prefix reuse and KV movement (one set per instance).
+
+Prefix reuse is also exported under vLLM's names, in tokens: ``vllm:prefix_cache_*``
+for the local pool (vLLM's GPU prefix cache) and ``vllm:external_prefix_cache_*`` for
+the KV store (vLLM's KV connector), whose queries are the tokens the pool lacked.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.engine.request import CacheHit
-from shared.serving.metrics import latency_histogram
+from shared.serving.metrics import latency_histogram, vllm_counter
 
 
 class ConnectorMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, model_name: str = ""):
         r = registry
+        self.model_name = model_name  # vLLM's label (see :meth:`bind`)
         self.queried = Counter(
             "baton_prefix_cache_queried_tokens",
             "Prompt tokens looked up in the prefix caches (local pool, then the KV store)",
@@ -57,11 +63,49 @@ class ConnectorMetrics:
             registry=r,
         )
 
+        self.vllm_queries = vllm_counter(
+            r,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.vllm_hits = vllm_counter(
+            r, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.vllm_external_queries = vllm_counter(
+            r,
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.vllm_external_hits = vllm_counter(
+            r,
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
+
+    def bind(self, model_name: str) -> None:
+        """The engine has loaded ``model_name``: vLLM's series carry it (at 0 from now)."""
+        self.model_name = model_name
+        for counter in (
+            self.vllm_queries,
+            self.vllm_hits,
+            self.vllm_external_queries,
+            self.vllm_external_hits,
+        ):
+            counter.labels(model_name)
+
     def observe_load(self, nbytes: int, seconds: float) -> None:
         self.loaded_bytes.inc(nbytes)
         self.load_s.observe(seconds)
 
     def observe_hit(self, num_prompt_tokens: int, hit: CacheHit) -> None:
+        """A prompt computed here, less what was reused (once per request)."""
         self.queried.inc(num_prompt_tokens)
         self.hits.labels("local").inc(hit.local_tokens)
         self.hits.labels("store").inc(hit.external_tokens)
+        m = self.model_name
+        self.vllm_queries.labels(m).inc(num_prompt_tokens)
+        self.vllm_hits.labels(m).inc(hit.local_tokens)
+        self.vllm_external_queries.labels(m).inc(num_prompt_tokens - hit.local_tokens)
+        self.vllm_external_hits.labels(m).inc(hit.external_tokens)

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
+from shared.cluster.auth import AuthMetrics, ClusterSecret, protect
 from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
@@ -31,7 +32,8 @@ from shared.config import BatonSettings, EngineConfig
 from shared.engine.engine import Engine, RequestTimings
 from shared.engine.engine_loop import EngineLoop, Output, next_output
 from shared.engine.kv_cache_manager import KVEvents
-from shared.engine.request import TokenLogprobs
+from shared.engine.request import CacheHit, TokenLogprobs
+from shared.engine.snapshot import EngineSnapshot
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.connector import KVStoreConnector
 from shared.kvstore.connector_metrics import ConnectorMetrics
@@ -39,7 +41,13 @@ from shared.logs import request_id_var
 from shared.service import service_app
 from shared.serving.background import Background
 from shared.serving.errors import ServiceError, classify, error_response
-from shared.serving.metrics import latency_histogram
+from shared.serving.metrics import (
+    MODEL_LABEL,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    latency_histogram,
+    vllm_gauge,
+    vllm_histogram,
+)
 from shared.serving.protocol import (
     REQUEST_ID_HEADER,
     ErrorEvent,
@@ -69,26 +77,84 @@ class WorkerSettings(BaseSettings):
 
 
 class WorkerMetrics:
+    """One instance's series: Baton's, and vLLM's for its engine (the ``vllm:*`` ones,
+    labelled with the model's name once it is loaded; see :mod:`shared.serving.metrics`)."""
+
     def __init__(self, role: str):
-        self.registry = CollectorRegistry()
+        self.role = role
+        self.model_name = ""  # set by :meth:`bind` once the engine has loaded
+        r = self.registry = CollectorRegistry()
         self.requests = Gauge(
-            "baton_requests_in_flight", f"Requests in this {role} instance", registry=self.registry
+            "baton_requests_in_flight", f"Requests in this {role} instance", registry=r
         )
-        self.kv_usage = Gauge(
-            "baton_kv_pool_usage", "Share of KV pool blocks in use", registry=self.registry
-        )
+        self.kv_usage = Gauge("baton_kv_pool_usage", "Share of KV pool blocks in use", registry=r)
         self.step_s = latency_histogram(
-            self.registry, "baton_engine_step_seconds", "Duration of one engine step"
+            r, "baton_engine_step_seconds", "Duration of one engine step"
         )
         self.step_tokens = Counter(
-            "baton_engine_step_tokens", "Tokens computed by engine steps", registry=self.registry
+            "baton_engine_step_tokens", "Tokens computed by engine steps", registry=r
         )
+        self.info = Gauge(
+            "baton_instance_info",
+            "This instance (always 1): join on it to split series by role",
+            ["role", "instance_id", MODEL_LABEL],
+            registry=r,
+        )
+        self.vllm_running = vllm_gauge(
+            r, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.vllm_waiting = vllm_gauge(
+            r,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed (queued for KV slots or compute, "
+            "loading KV, or waiting for their first token).",
+        )
+        self.vllm_kv_usage = vllm_gauge(
+            r, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.vllm_queue_time = vllm_histogram(
+            r,
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.vllm_prefill_time = vllm_histogram(
+            r,
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+
+    def bind(self, model_name: str, instance_id: str) -> None:
+        """The engine has loaded ``model_name``: vLLM's series carry it (at 0 from now)."""
+        self.model_name = model_name
+        self.info.labels(self.role, instance_id, model_name).set(1)
+        for family in (self.vllm_running, self.vllm_waiting, self.vllm_kv_usage):
+            family.labels(model_name)
+        self.vllm_queue_time.labels(model_name)
+        self.vllm_prefill_time.labels(model_name)
 
     def observe_step(self, seconds: float, tokens: int) -> None:
         self.step_s.observe(seconds)
         self.step_tokens.inc(tokens)
 
-    def render(self) -> bytes:
+    def observe_engine(self, snap: EngineSnapshot, in_flight: int) -> None:
+        """The gauges, from the engine's latest snapshot."""
+        self.requests.set(in_flight)
+        self.kv_usage.set(snap.usage)
+        m = self.model_name
+        self.vllm_running.labels(m).set(snap.running)
+        self.vllm_waiting.labels(m).set(snap.waiting + snap.loading + snap.parked)
+        self.vllm_kv_usage.labels(m).set(snap.usage)
+
+    def observe_prompt_phases(self, queue_s: float, prefill_s: float) -> None:
+        """A prompt computed here: arrival to its first step, first step to first token."""
+        self.vllm_queue_time.labels(self.model_name).observe(queue_s)
+        self.vllm_prefill_time.labels(self.model_name).observe(prefill_s)
+
+    def render(self, refresh: Callable[[], None] | None = None) -> bytes:
+        if refresh is not None:
+            refresh()
         return generate_latest(self.registry)
 
 
@@ -113,6 +179,7 @@ class Worker:
             self.keys,
             replication=self.cluster.replication,
             client_id=self.instance_id,
+            secret=ClusterSecret(self.cluster.secret),
         )
         self.publisher = IndexPublisher(
             BlockIndex(self.redis, self.keys, self.cluster.index_ttl_s), self.instance_id
@@ -173,6 +240,8 @@ class Worker:
             on_kv_events=self._on_kv_events,
             cpus=self.baton.engine_cpu_set(),
         )
+        self.metrics.bind(engine.loaded.name, self.instance_id)
+        self.connector_metrics.bind(engine.loaded.name)
         self._loop.start()
         if self._connector is not None:
             self._connector.start(asyncio.get_running_loop(), self._loop.wake)
@@ -221,10 +290,13 @@ class Worker:
         if events.stored:
             self.publisher.added(k.hex() for k in events.stored)
 
+    def refresh_gauges(self) -> None:
+        if self._loop is not None:
+            self.metrics.observe_engine(self._loop.snapshot, len(self.in_flight))
+
     def _load(self) -> dict[str, float]:
         snap = self.loop.snapshot
-        self.metrics.kv_usage.set(snap.usage)
-        self.metrics.requests.set(len(self.in_flight))
+        self.metrics.observe_engine(snap, len(self.in_flight))
         return {
             "in_flight": float(len(self.in_flight)),
             "kv_usage": snap.usage,
@@ -307,6 +379,7 @@ class TokenStream:
     generated: int = 0
     finish_reason: str | None = None
     timings: RequestTimings | None = None  # the engine's, once finished
+    cache_hit: CacheHit | None = None  # prompt tokens not computed here (first output)
 
     async def events(self, outputs: asyncio.Queue[Output]) -> AsyncIterator[TokenEvent]:
         """Raises :class:`~shared.engine.engine_loop.StreamInterrupted` when the loop
@@ -314,6 +387,8 @@ class TokenStream:
         while self.finish_reason is None:
             out = await next_output(outputs)
             self.generated = out.num_output_tokens
+            if self.cache_hit is None:
+                self.cache_hit = out.cache_hit
             lps: list[TokenLogprobs | None] = list(out.new_logprobs)
             lps += [None] * (len(out.new_token_ids) - len(lps))
             for i, (tid, lp) in enumerate(zip(out.new_token_ids, lps, strict=True)):
@@ -368,6 +443,9 @@ def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None
         return worker
 
     app = service_app(title, build)
+    secret = ClusterSecret(worker.cluster.secret)
+    secret.warn_if_open(title)
+    protect(app, secret, AuthMetrics(worker.metrics.registry))
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -385,7 +463,8 @@ def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+        body = worker.metrics.render(worker.refresh_gauges)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     routes(app, worker)
     return app
