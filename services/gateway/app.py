@@ -18,33 +18,44 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from services.gateway.decode_session import FailoverPolicy
 from services.gateway.handoff import CacheReport, Generated, Handoff
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import ChoiceTimes, GatewayMetrics
+from services.gateway.openai_schema import (
+    ChatCompletion,
+    Completion,
+    Model,
+    ModelList,
+    ok_response,
+    request_body,
+    request_schemas,
+)
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prefix_locator import PrefixLocator
-from services.gateway.responses import SSE_DONE, Kind, Prepared, ResponseBuilder, Step, sse
+from services.gateway.responses import SSE_DONE, Choices, Kind, Prepared, Step, sse
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
+from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
 from shared.errors import InvalidRequestError
 from shared.logs import request_id_var
-from shared.model.loader import TokenizerOnly, load_tokenizer
+from shared.model.tokenizer_loader import TokenizerOnly, load_tokenizer
 from shared.service import component_of, service_app
 from shared.serving.errors import ServiceError, classify, error_body, error_response
-from shared.serving.protocol import REQUEST_ID_HEADER, SamplingSpec
+from shared.serving.protocol import BATON_REQUEST_ID_HEADER, REQUEST_ID_HEADER, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +82,12 @@ class Gateway:
             reap_s=settings.reap_s,
         )
         self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
-        self.http = httpx.AsyncClient(
+        self.http = httpx.AsyncClient(  # internal calls: they present the cluster secret
+            headers=ClusterSecret(cluster.secret).headers(),
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(model.name, model.arch.max_position_embeddings)
         self.handoff = Handoff(
             self.http,
             self.router,
@@ -142,15 +154,9 @@ class Gateway:
         try:
             body = model_cls.model_validate_json(raw)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            message = first["msg"] if first["type"] != "json_invalid" else "invalid JSON body"
-            raise ServiceError(400, message, code="invalid_request", param=param) from exc
+            raise invalid_body(exc) from exc
         if body.model != self.model.name:
-            raise ServiceError(
-                404, f"the model {body.model!r} does not exist", code="model_not_found",
-                param="model",
-            )  # fmt: skip
+            raise model_not_found(body.model)
         tok = self.model.tokenizer
         if isinstance(body, ChatCompletionRequest):
             prompt = tok.encode_chat(body.message_dicts())
@@ -163,6 +169,13 @@ class Gateway:
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
+        vocab = self.model.arch.vocab_size
+        bias = body.bias()
+        if any(t >= vocab for t in bias):
+            raise ServiceError(
+                400, f"logit_bias token ids must be in [0, {vocab})", code="invalid_request",
+                param="logit_bias",
+            )  # fmt: skip
         context = self.model.arch.max_position_embeddings
         limit = min(context, self.settings.max_prompt_tokens or context)
         if len(prompt) >= limit:
@@ -172,7 +185,16 @@ class Gateway:
                 code="context_length_exceeded",
                 param="messages" if kind == "chat" else "prompt",
             )
-        max_tokens = body.limit() or context - len(prompt)
+        cap = self.settings.max_output_tokens
+        requested = body.limit()
+        if cap is not None and requested is not None and requested > cap:
+            raise ServiceError(
+                400,
+                f"max_tokens ({requested}) is over this server's limit of {cap}",
+                code="invalid_request",
+                param="max_completion_tokens" if kind == "chat" else "max_tokens",
+            )
+        max_tokens = requested or min(context - len(prompt), cap or context)
         if len(prompt) + max_tokens > context:
             raise ServiceError(
                 400,
@@ -191,7 +213,11 @@ class Gateway:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logprobs=body.num_logprobs(),
+            logit_bias=bias,
         )
+        echo = ""
+        if isinstance(body, CompletionRequest) and body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else tok.decode(prompt)
         prepared = Prepared(
             kind=kind,
             request_id=request_id,
@@ -204,12 +230,14 @@ class Gateway:
             return_token_ids=body.return_token_ids,
             stream=body.stream,
             cache_salt=self.cache_salt(body.cache_salt, api_key),
+            n=body.n,
+            echo=echo,
         )
         return prepared, spec
 
     def admit(self, prepared: Prepared) -> None:
         retry = {"Retry-After": "1"}
-        if self.in_flight >= self.settings.max_in_flight:
+        if self.in_flight + prepared.n > self.settings.max_in_flight:
             raise ServiceError(
                 429, "too many requests in flight; retry later", code="overloaded", headers=retry
             )
@@ -220,16 +248,65 @@ class Gateway:
                 )
         first_role = self.roles[0]
         pending = [self.router.score(m, first_role) for m in self.router.live(first_role)]
-        if min(pending) + len(prepared.prompt) > self.settings.max_pending_prompt_tokens:
+        if (
+            min(pending) + len(prepared.prompt) * prepared.n
+            > self.settings.max_pending_prompt_tokens
+        ):
             raise ServiceError(
                 429, "prefill queues are full; retry later", code="overloaded", headers=retry
             )
+
+    def narrow_schemas(self, schemas: dict[str, Any]) -> None:
+        """What this deployment accepts, in the request schemas: its one model name, and
+        the output cap when one is set (a client or fuzzer then sees the real bounds)."""
+        cap = self.settings.max_output_tokens
+        for name, limits in (
+            ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
+            ("CompletionRequest", ("max_tokens",)),
+        ):
+            props = schemas[name]["properties"]
+            props["model"] = {"type": "string", "enum": [self.model.name], "title": "Model"}
+            for field in limits if cap is not None else ():
+                props[field]["anyOf"][0]["maximum"] = cap
+
+    def model_card(self) -> dict[str, Any]:
+        """The model as ``/v1/models`` lists it (``created``: the oldest live decode's start)."""
+        created = int(min((m.started_at for m in self.router.live("decode")), default=time.time()))
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "baton",
+            "max_model_len": self.model.arch.max_position_embeddings,
+        }
 
     def refresh_gauges(self) -> None:
         self.metrics.in_flight.set(self.in_flight)
         for role, depth in self.router.queue_depths().items():
             self.metrics.queue.labels(role).set(depth)
             self.metrics.live.labels(role).set(len(self.router.live(role)))
+
+
+def invalid_body(exc: ValidationError) -> ServiceError:
+    """A 400 naming the first offending parameter, in OpenAI's words where it has them."""
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    kind, message = first["type"], first["msg"].removeprefix("Value error, ")
+    if kind == "json_invalid":
+        message = "invalid JSON body"
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif kind == "missing":
+        message = f"'{param}' is a required property"
+    elif param is not None:
+        message = f"invalid '{param}': {message}"
+    return ServiceError(400, message, code="invalid_request", param=param)
+
+
+def model_not_found(model: str) -> ServiceError:
+    return ServiceError(
+        404, f"The model '{model}' does not exist", code="model_not_found", param="model"
+    )
 
 
 def tenant_salt(api_key: str, requested: str | None) -> str:
@@ -240,44 +317,46 @@ def tenant_salt(api_key: str, requested: str | None) -> str:
 
 
 class Timeline:
-    """Per-request latency bookkeeping (vLLM's serving-benchmark definitions)."""
+    """Per-request latency bookkeeping (vLLM's serving-benchmark definitions). With ``n``
+    choices, TTFT is the first token of any, ITL is per choice, E2E ends at the last."""
 
-    def __init__(self, metrics: GatewayMetrics):
+    def __init__(self, metrics: GatewayMetrics, client_id: str | None):
         self.metrics = metrics
+        self.client_id = client_id
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
         self.cache: CacheReport | None = None
+        self.choices: dict[int, ChoiceTimes] = {}
 
-    def token(self) -> None:
+    def token(self, index: int = 0, finish_reason: str | None = None) -> None:
         now = time.perf_counter()
+        choice = self.choices.get(index)
+        if choice is None:
+            self.choices[index] = ChoiceTimes(now, now, finish_reason=finish_reason)
+            self.metrics.first_token(now - self.start, of_request=self.first is None)
+        else:
+            self.metrics.next_token(now - choice.last)
+            choice.add(now, finish_reason)
         if self.first is None:
             self.first = now
-            self.metrics.ttft.observe(now - self.start)
-        elif self.last is not None:
-            self.metrics.itl.observe(now - self.last)
         self.last = now
         self.tokens += 1
 
     def end(self, outcome: str) -> None:
         cache = self.cache
         log.info(
-            "request %s: %d tokens, ttft %s, e2e %.3fs, cached tokens %s (router predicted %s)",
+            "request %s: %d tokens, ttft %s, e2e %.3fs, cached tokens %s (router predicted %s)%s",
             outcome,
             self.tokens,
             f"{self.first - self.start:.3f}s" if self.first is not None else "-",
             time.perf_counter() - self.start,
             cache.actual if cache is not None else "-",
             cache.predicted if cache is not None else "-",
+            f", client request id {self.client_id!r}" if self.client_id else "",
         )
-        self.metrics.requests.labels(outcome).inc()
-        self.metrics.output_tokens.inc(self.tokens)
-        if outcome != "ok" or self.first is None or self.last is None:
-            return
-        self.metrics.e2e.observe(self.last - self.start)
-        if self.tokens > 1:
-            self.metrics.tpot.observe((self.last - self.first) / (self.tokens - 1))
+        self.metrics.finished(outcome, self.start, list(self.choices.values()))
 
 
 async def _disconnected(request: Request) -> None:
@@ -288,10 +367,22 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed: the request's own for the first, distinct ones after it."""
+    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+
+
+async def _close_all(streams: list[AsyncGenerator[Generated, None]]) -> None:
+    for stream in streams:
+        await stream.aclose()
+
+
 async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    # The gateway owns request ids; a client's X-Request-Id is only echoed and logged.
+    request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
-    headers = {REQUEST_ID_HEADER: request_id}
+    client_id = request.headers.get(REQUEST_ID_HEADER)
+    headers = {REQUEST_ID_HEADER: client_id or request_id, BATON_REQUEST_ID_HEADER: request_id}
     try:
         api_key = gw.check_auth(request)
         prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id, api_key)
@@ -301,111 +392,161 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
         response = error_response(exc)
         response.headers.update(headers)
         return response
-    gw.in_flight += 1
+    gw.in_flight += prepared.n
     gw.metrics.prompt_tokens.inc(len(prepared.prompt))
-    timeline = Timeline(gw.metrics)
-    tokens = gw.handoff.generate(request_id, prepared.prompt, spec, prepared.cache_salt)
-    builder = ResponseBuilder(prepared, gw.model.tokenizer)
-    # Wait for the first token before answering, so that a failure before it (no
+    timeline = Timeline(gw.metrics, client_id)
+    streams = [
+        gw.handoff.generate(
+            request_id if i == 0 else f"{request_id}n{i}",
+            prepared.prompt,
+            spec.model_copy(update={"seed": choice_seed(spec.seed, i)}),
+            prepared.cache_salt,
+        )
+        for i in range(prepared.n)
+    ]
+    choices = Choices(prepared, gw.model.tokenizer)
+    # Wait for the first tokens before answering, so that a failure before them (no
     # instance, refused prompt) is a proper HTTP status; stop if the client leaves.
-    first_task = asyncio.ensure_future(anext(tokens))
-    gone = asyncio.ensure_future(_disconnected(request))
+    first_tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
+    arrived: asyncio.Future[Any] = asyncio.gather(*first_tasks, return_exceptions=True)
     try:
-        await asyncio.wait({first_task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({gone, arrived}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not first_task.done():
-        first_task.cancel()
-        with contextlib.suppress(BaseException):
-            await first_task
-        await tokens.aclose()
-        gw.in_flight -= 1
+    if not all(t.done() for t in first_tasks):
+        for task in first_tasks:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await _close_all(streams)
+        gw.in_flight -= prepared.n
         timeline.end("client_gone")
         return Response(status_code=499, headers=headers)
-    try:
-        first = first_task.result()
-    except Exception as exc:
-        await tokens.aclose()
-        gw.in_flight -= 1
+    failed = next((t.exception() for t in first_tasks if t.exception() is not None), None)
+    if failed is not None:
+        await _close_all(streams)
+        gw.in_flight -= prepared.n
         timeline.end("error")
-        response = error_response(exc)
+        response = error_response(failed)
         response.headers.update(headers)
         return response
-    timeline.token()
-    if first.cache is not None:
-        builder.cached_tokens = first.cache.actual
-        gw.metrics.observe_cache(first.cache.predicted, first.cache.actual)
-        timeline.cache = first.cache
+    firsts = [t.result() for t in first_tasks]
+    for i in range(prepared.n):
+        timeline.token(i, firsts[i].finish_reason)
+    cache = firsts[0].cache
+    if cache is not None:
+        choices.cached_tokens = cache.actual
+        gw.metrics.observe_cache(cache.predicted, cache.actual)
+        timeline.cache = cache
+    run = Run(gw, choices, firsts, streams, timeline)
     if prepared.stream:
-        body = _stream(gw, builder, first, tokens, timeline)
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-    return await _whole(gw, builder, first, tokens, timeline, headers)
+        return StreamingResponse(run.stream(), media_type="text/event-stream", headers=headers)
+    return await run.whole(headers)
 
 
-async def _steps(
-    builder: ResponseBuilder,
-    first: Generated,
-    tokens: AsyncIterator[Generated],
-    timeline: Timeline,
-) -> AsyncIterator[Step]:
-    step = builder.add(first)
-    yield step
-    while step.finish_reason is None:
-        gen = await anext(tokens)
-        timeline.token()
-        step = builder.add(gen)
+class Run:
+    """One admitted request whose first tokens are in: its steps, streamed or whole."""
+
+    def __init__(
+        self,
+        gw: Gateway,
+        choices: Choices,
+        firsts: list[Generated],
+        streams: list[AsyncGenerator[Generated, None]],
+        timeline: Timeline,
+    ):
+        self.gw = gw
+        self.choices = choices
+        self.firsts = firsts
+        self.streams = streams
+        self.timeline = timeline
+
+    async def _steps(self, index: int) -> AsyncIterator[Step]:
+        builder = self.choices.builders[index]
+        step = builder.add(self.firsts[index])
         yield step
+        while step.finish_reason is None:
+            gen = await anext(self.streams[index])
+            self.timeline.token(index, gen.finish_reason)
+            step = builder.add(gen)
+            yield step
 
+    def _all_steps(self) -> AsyncIterator[tuple[int, Step]]:
+        if len(self.streams) == 1:
+            return _indexed(self._steps(0))
+        return merge([self._steps(i) for i in range(len(self.streams))])
 
-async def _stream(
-    gw: Gateway,
-    builder: ResponseBuilder,
-    first: Generated,
-    tokens: Any,
-    timeline: Timeline,
-) -> AsyncIterator[str]:
-    outcome = "client_gone"
-    try:
+    async def _finish(self, outcome: str) -> None:
+        await _close_all(self.streams)
+        self.gw.in_flight -= len(self.streams)
+        self.timeline.end(outcome)
+
+    async def stream(self) -> AsyncIterator[str]:
+        outcome = "client_gone"
+        builders = self.choices.builders
         try:
-            async for step in _steps(builder, first, tokens, timeline):
-                yield builder.chunk(step)
-            yield builder.final_chunk()
-            if builder.p.include_usage:
-                yield builder.usage_chunk()
+            try:
+                async for index, step in self._all_steps():
+                    yield builders[index].chunk(step)
+                    if step.finish_reason is not None:
+                        yield builders[index].final_chunk()
+                if self.choices.p.include_usage:
+                    yield self.choices.usage_chunk()
+                outcome = "ok"
+            except (Exception, StopAsyncIteration) as exc:
+                err = classify(exc if isinstance(exc, Exception) else RuntimeError("stream ended"))
+                log.warning("stream failed: %s", err)
+                outcome = "error"
+                yield sse(error_body(err.status, str(err), err.code))
+            yield SSE_DONE
+        finally:
+            await self._finish(outcome)
+
+    async def whole(self, headers: dict[str, str]) -> Response:
+        outcome = "error"
+        steps: list[list[Step]] = [[] for _ in self.streams]
+        try:
+            async for index, step in self._all_steps():
+                steps[index].append(step)
             outcome = "ok"
-        except (Exception, StopAsyncIteration) as exc:
-            err = classify(exc if isinstance(exc, Exception) else RuntimeError("stream ended"))
-            log.warning("stream failed: %s", err)
-            outcome = "error"
-            yield sse(error_body(err.status, str(err), err.code))
-        yield SSE_DONE
-    finally:
-        await tokens.aclose()
-        gw.in_flight -= 1
-        timeline.end(outcome)
+            return JSONResponse(self.choices.response(steps), headers=headers)
+        except Exception as exc:
+            response = error_response(exc)
+            response.headers.update(headers)
+            return response
+        finally:
+            await self._finish(outcome)
 
 
-async def _whole(
-    gw: Gateway,
-    builder: ResponseBuilder,
-    first: Generated,
-    tokens: Any,
-    timeline: Timeline,
-    headers: dict[str, str],
-) -> Response:
-    outcome = "error"
+async def _indexed(steps: AsyncIterator[Step]) -> AsyncIterator[tuple[int, Step]]:
+    async for step in steps:
+        yield 0, step
+
+
+async def merge(iterators: list[AsyncIterator[Step]]) -> AsyncIterator[tuple[int, Step]]:
+    """Items of several iterators as they arrive, each with its iterator's index; an
+    iterator's error ends the merge (the others are cancelled)."""
+    pending: dict[asyncio.Future[Step], int] = {
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+    }
     try:
-        steps = [s async for s in _steps(builder, first, tokens, timeline)]
-        outcome = "ok"
-        return JSONResponse(builder.response(steps), headers=headers)
-    except Exception as exc:
-        response = error_response(exc)
-        response.headers.update(headers)
-        return response
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, item
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
     finally:
-        await tokens.aclose()
-        gw.in_flight -= 1
-        timeline.end(outcome)
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
@@ -419,38 +560,43 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
     def gateway(request: Request) -> Gateway:
         return component_of(request, Gateway)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=request_body(ChatCompletionRequest),
+        responses=ok_response(ChatCompletion, streams=True),
+    )
     async def chat(request: Request) -> Response:
         return await serve(gateway(request), "chat", request)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=request_body(CompletionRequest),
+        responses=ok_response(Completion, streams=True),
+    )
     async def completions(request: Request) -> Response:
         return await serve(gateway(request), "completion", request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ok_response(ModelList, streams=False))
     async def models(request: Request) -> Response:
         gw = gateway(request)
         try:
             gw.check_auth(request)
         except ServiceError as exc:
             return error_response(exc)
-        created = int(min((m.started_at for m in gw.router.live("decode")), default=time.time()))
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": gw.model.name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "baton",
-                        "max_model_len": gw.model.arch.max_position_embeddings,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [gw.model_card()]})
 
-    @app.get("/ready")
+    @app.get("/v1/models/{model_id:path}", responses=ok_response(Model, streams=False))
+    async def model(model_id: str, request: Request) -> Response:
+        gw = gateway(request)
+        try:
+            gw.check_auth(request)
+            if model_id != gw.model.name:
+                raise model_not_found(model_id)
+        except ServiceError as exc:
+            return error_response(exc)
+        return JSONResponse(gw.model_card())
+
+    @app.get("/ready", responses={503: {"description": "Some role has no live instance"}})
     async def ready(request: Request) -> JSONResponse:
         gw = gateway(request)
         live = {role: len(gw.router.live(role)) for role in gw.roles}
@@ -458,10 +604,27 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
         body = {"status": "ready" if up else "waiting", "redis": gw.router.redis_ok, **live}
         return JSONResponse(body, status_code=200 if up else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def metrics(request: Request) -> Response:
         gw = gateway(request)
         return Response(gw.metrics.render(gw.refresh_gauges), media_type="text/plain")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(request_schemas())
+            gw = getattr(app.state, "component", None)
+            if isinstance(gw, Gateway):
+                gw.narrow_schemas(components)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
@@ -471,8 +634,11 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
 
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        allow = getattr(exc, "headers", None) or {}  # Starlette names the route's methods
         return JSONResponse(
-            error_body(405, f"{request.method} is not allowed on {request.url.path}"), 405
+            error_body(405, f"{request.method} is not allowed on {request.url.path}"),
+            405,
+            headers={k: v for k, v in allow.items() if k.lower() == "allow"},
         )
 
     return app

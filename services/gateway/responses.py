@@ -34,6 +34,8 @@ class Prepared:
     return_token_ids: bool
     stream: bool = False
     cache_salt: str | None = None
+    n: int = 1
+    echo: str = ""  # completions' ``echo``: the prompt's text, put before the first token's
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -54,13 +56,13 @@ class Step:
 class ResponseBuilder:
     """Turns generated tokens into OpenAI chunks (or one response) for one request."""
 
-    def __init__(self, prepared: Prepared, tokenizer: Tokenizer):
+    def __init__(self, prepared: Prepared, tokenizer: Tokenizer, index: int = 0):
         self.p = prepared
+        self.index = index
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, stop=prepared.stop)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.cached_tokens = 0  # prompt tokens whose KV was reused
         self._chunks = 0
         self._text_offset = 0
 
@@ -68,6 +70,8 @@ class ResponseBuilder:
     def add(self, gen: Generated) -> Step:
         self.token_ids.append(gen.token.id)
         text = self.detok.add([gen.token.id])
+        if len(self.token_ids) == 1:
+            text = self.p.echo + text
         reason = gen.finish_reason
         if self.detok.stopped_by is not None:
             reason = "stop"
@@ -101,7 +105,7 @@ class ResponseBuilder:
         }
 
     # -- streaming -------------------------------------------------------------------
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.p.kind == "chat" else "text_completion"
         return {
             "id": self.p.response_id,
@@ -117,52 +121,38 @@ class ResponseBuilder:
             if self._chunks == 0:
                 delta = {"role": "assistant", "content": step.text}
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "delta": delta,
                 "logprobs": {"content": [step.logprobs]} if step.logprobs else None,
                 "finish_reason": None,
             }
         else:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": step.text,
                 "logprobs": self._completion_logprobs([step]) if step.logprobs else None,
                 "finish_reason": None,
             }
         if self.p.return_token_ids:
             choice["token_ids"] = [step.token]
-        body = self._envelope([choice])
-        if self.p.return_token_ids and self._chunks == 0:
+        body = self.envelope([choice])
+        if self.p.return_token_ids and self._chunks == 0 and self.index == 0:
             body["prompt_token_ids"] = self.p.prompt
         self._chunks += 1
         return sse(body)
 
     def final_chunk(self) -> str:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason}
         if self.p.kind == "chat":
             choice |= {"delta": {}, "logprobs": None}
         else:
             choice |= {"text": "", "logprobs": None}
-        return sse(self._envelope([choice]))
-
-    def usage_chunk(self) -> str:
-        body = self._envelope([])
-        body["usage"] = self.usage()
-        return sse(body)
-
-    def usage(self) -> dict[str, Any]:
-        n_prompt, n_out = len(self.p.prompt), len(self.token_ids)
-        return {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+        return sse(self.envelope([choice]))
 
     # -- whole response ------------------------------------------------------------------
-    def response(self, steps: list[Step]) -> dict[str, Any]:
+    def choice(self, steps: list[Step]) -> dict[str, Any]:
         text = "".join(s.text for s in steps)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason}
         has_lp = self.p.num_logprobs is not None
         if self.p.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -174,17 +164,7 @@ class ResponseBuilder:
             choice["logprobs"] = self._completion_logprobs(steps) if has_lp else None
         if self.p.return_token_ids:
             choice["token_ids"] = list(self.token_ids)
-        body: dict[str, Any] = {
-            "id": self.p.response_id,
-            "object": "chat.completion" if self.p.kind == "chat" else "text_completion",
-            "created": self.p.created,
-            "model": self.p.model,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
-        if self.p.return_token_ids:
-            body["prompt_token_ids"] = self.p.prompt
-        return body
+        return choice
 
     def _completion_logprobs(self, steps: list[Step]) -> dict[str, Any]:
         out: dict[str, list[Any]] = {
@@ -202,6 +182,43 @@ class ResponseBuilder:
             out["text_offset"].append(self._text_offset)
             self._text_offset += len(s.text)
         return out
+
+
+class Choices:
+    """The ``n`` choices of one request: shared envelope and usage."""
+
+    def __init__(self, prepared: Prepared, tokenizer: Tokenizer):
+        self.p = prepared
+        self.builders = [ResponseBuilder(prepared, tokenizer, i) for i in range(prepared.n)]
+        self.cached_tokens = 0  # prompt tokens whose KV was reused (the first choice's)
+
+    def usage(self) -> dict[str, Any]:
+        n_prompt = len(self.p.prompt)
+        n_out = sum(len(b.token_ids) for b in self.builders)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def usage_chunk(self) -> str:
+        body = self.builders[0].envelope([])
+        body["usage"] = self.usage()
+        return sse(body)
+
+    def response(self, steps: list[list[Step]]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.p.response_id,
+            "object": "chat.completion" if self.p.kind == "chat" else "text_completion",
+            "created": self.p.created,
+            "model": self.p.model,
+            "choices": [b.choice(s) for b, s in zip(self.builders, steps, strict=True)],
+            "usage": self.usage(),
+        }
+        if self.p.return_token_ids:
+            body["prompt_token_ids"] = self.p.prompt
+        return body
 
 
 def sse(body: dict[str, Any]) -> str:

@@ -19,6 +19,9 @@ class GatewaySettings(BaseSettings):
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the model's context
+    # the most tokens one choice may generate (None: up to the context); a request
+    # asking for more is refused, one asking for none gets this many at most
+    max_output_tokens: int | None = Field(default=None, ge=1)
     max_in_flight: int = Field(default=256, ge=1)  # over this: 429 with Retry-After
     max_pending_prompt_tokens: int = Field(default=65536, ge=1)  # per prefill instance
     refresh_s: float = Field(default=0.5, gt=0)  # membership poll (half a heartbeat)

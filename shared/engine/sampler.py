@@ -1,4 +1,4 @@
-"""Token sampling: penalties, temperature, top-k, top-p, seeded randomness, logprobs.
+"""Token sampling: penalties, logit bias, temperature, top-k, top-p, seeded randomness, logprobs.
 
 Randomness is keyed by ``(request seed, token position)`` only, never by a
 running generator state: regenerating from any position (after preemption,
@@ -50,6 +50,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, outputs: Seque
     logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> None:
+    """OpenAI ``logit_bias``: a value added to each listed token's logit (in place)."""
+    vocab = logits.shape[-1]
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            logits[token] += bias
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -77,15 +85,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     if any(r.params.logprobs is not None for r in rows):
         raw = torch.log_softmax(logits, dim=-1).cpu()
     # one argmax over the batch for the plain greedy rows (per row it cost ~65 us each)
-    plain = [r.params.greedy and not r.params.has_penalties for r in rows]
+    plain = [r.params.greedy and not r.params.adjusts_logits for r in rows]
     best = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
     out: list[SampledToken] = []
     for i, row in enumerate(rows):
         p = row.params
         lg = logits[i]
-        if p.has_penalties:
+        if p.adjusts_logits:
             lg = lg.clone()
             apply_penalties(lg, p, row.output_token_ids)
+            apply_logit_bias(lg, p)
         if plain[i]:
             token = best[i]
         elif p.greedy:

@@ -24,6 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's plus top-n
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -47,6 +48,9 @@ class SamplingParams:
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise bad(f"logit_bias entries must be token id >= 0 -> [-100, 100], got {token}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed must fit in 64 bits")
 
@@ -57,3 +61,8 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before sampling."""
+        return self.has_penalties or bool(self.logit_bias)

@@ -23,6 +23,7 @@ from shared.engine.request import SampledToken, TokenLogprobs
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 REQUEST_ID_HEADER = "X-Request-Id"
+BATON_REQUEST_ID_HEADER = "X-Baton-Request-Id"  # the gateway's own id, when a client sent its own
 
 
 class _Wire(BaseModel):
@@ -42,6 +43,7 @@ class SamplingSpec(_Wire):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[int, float] = {}
 
     def to_params(self, *, max_tokens: int | None = None) -> SamplingParams:
         """Stop strings stay at the gateway, which owns detokenization."""
@@ -56,6 +58,7 @@ class SamplingSpec(_Wire):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.logprobs,
+            logit_bias=tuple(sorted(self.logit_bias.items())),
         )
 
 

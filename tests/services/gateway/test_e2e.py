@@ -250,15 +250,17 @@ def test_stop_string_cuts_text_and_frees_decode(cluster: Cluster) -> None:
 
 
 def test_request_id_follows_the_request_and_metrics_count_it(cluster: Cluster) -> None:
-    rid = f"trace-{uuid.uuid4().hex[:8]}"
+    client_id = f"trace-{uuid.uuid4().hex[:8]}"
     r = httpx.post(
         cluster.url + "/v1/completions",
         json={"model": MODEL, "prompt": "Trace me", "max_tokens": 3, "ignore_eos": True},
-        headers={"X-Request-Id": rid},
+        headers={"X-Request-Id": client_id},
         timeout=120,
     )
-    assert r.status_code == 200 and r.headers["x-request-id"] == rid
-    assert r.json()["id"] == f"cmpl-{rid}"
+    # the client's id is echoed; the gateway's own id keys the request everywhere
+    assert r.status_code == 200 and r.headers["x-request-id"] == client_id
+    rid = r.headers["x-baton-request-id"]
+    assert rid != client_id and r.json()["id"] == f"cmpl-{rid}"
     seen: set[str] = set()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and seen != {"gateway", "prefill", "decode"}:

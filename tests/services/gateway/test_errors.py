@@ -42,7 +42,7 @@ def chat(**over: Any) -> dict[str, Any]:
         (CHAT, chat(max_tokens=0), 400, "invalid_request"),
         (CHAT, chat(temperature=-1), 400, "invalid_request"),
         (CHAT, chat(top_p=0), 400, "invalid_request"),
-        (CHAT, chat(n=2), 400, "invalid_request"),
+        (CHAT, chat(n=17), 400, "invalid_request"),
         (CHAT, chat(messages=[]), 400, "invalid_request"),
         (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "invalid_request"),
         (CHAT, chat(top_logprobs=3), 400, "invalid_request"),
@@ -51,7 +51,12 @@ def chat(**over: Any) -> dict[str, Any]:
         (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "invalid_request"),
         (COMPLETIONS, {"model": MODEL, "prompt": [1] * 8300}, 400, "context_length_exceeded"),
         (COMPLETIONS, {"model": MODEL, "prompt": [99999999]}, 400, "invalid_request"),
-        (COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request"),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1},
+            400,
+            "invalid_request",
+        ),
     ],
 )
 def test_bad_requests(cluster: Cluster, path: str, body: Any, status: int, code: str) -> None:
@@ -172,6 +177,7 @@ def strict_gateway(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
         "BATON_GATEWAY_MAX_IN_FLIGHT": "1",
         "BATON_GATEWAY_MAX_PENDING_PROMPT_TOKENS": "200",
         **FAST_HEARTBEAT,
+        **cluster.local.secret_env(),  # it calls the cluster's workers
     }
     yield from run_gateway(env, port, tmp_path, ready="/ready")
 

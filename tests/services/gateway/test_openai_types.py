@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from services.gateway.handoff import Generated
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses import Prepared, ResponseBuilder
+from services.gateway.responses import Choices, Prepared
 from shared.model.loader import LoadedModel
 from shared.serving.protocol import WireToken
 
@@ -24,7 +24,8 @@ def test_chat_limits_and_extensions() -> None:
             "logprobs": True,
             "top_logprobs": 3,
             "stop": "x",
-            "unknown_field": 1,
+            "tools": [],
+            "response_format": {"type": "text"},
         }
     )
     assert body.limit() == 5 and body.num_logprobs() == 3 and body.stop_list() == ("x",)
@@ -34,7 +35,12 @@ def test_chat_limits_and_extensions() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        {"n": 3},
+        {"n": 17},
+        {"unknown_field": 1},
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"x": 1}},
+        {"stream_options": {"include_usage": True}},
         {"max_tokens": 0},
         {"temperature": 2.5},
         {"stop": ["a"] * 17},
@@ -55,8 +61,9 @@ def test_completion_prompt_forms() -> None:
     bodies: list[dict[str, object]] = [
         {"prompt": ["a", "b"]},
         {"prompt": []},
-        {"prompt": "x", "echo": True},
+        {"prompt": "x", "echo": True, "logprobs": 1},
         {"prompt": "x", "suffix": "y"},
+        {"prompt": "x", "best_of": 3},
     ]
     for body in bodies:
         with pytest.raises(ValidationError):
@@ -70,7 +77,8 @@ def test_stop_string_ends_the_text_and_usage_counts_tokens(loaded_fp32: LoadedMo
         kind="completion", request_id="r", model="m", prompt=[1, 2, 3], max_tokens=50,
         stop=(" Goodbye",), num_logprobs=None, include_usage=True, return_token_ids=True,
     )  # fmt: skip
-    builder = ResponseBuilder(prepared, tok)
+    choices = Choices(prepared, tok)
+    builder = choices.builders[0]
     steps = []
     for tid in ids:
         steps.append(builder.add(Generated(WireToken(id=tid), None)))
@@ -78,7 +86,8 @@ def test_stop_string_ends_the_text_and_usage_counts_tokens(loaded_fp32: LoadedMo
             break
     assert "".join(s.text for s in steps) == "Hello world."
     assert builder.finish_reason == "stop"
-    body = builder.response(steps)
+    body = choices.response([steps])
     assert body["usage"]["completion_tokens"] == len(steps) < len(ids)
-    usage = json.loads(builder.usage_chunk()[len("data: ") :])
+    assert body["choices"][0]["text"] == "Hello world."
+    usage = json.loads(choices.usage_chunk()[len("data: ") :])
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3 + len(steps)

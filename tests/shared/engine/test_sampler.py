@@ -48,6 +48,16 @@ def test_penalties_follow_openai_formula() -> None:
     assert lg.tolist() == [0.0, -2.0, 0.0, -1.5]
 
 
+def test_logit_bias_moves_greedy_choice_and_keeps_raw_logprobs() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    biased = SamplingParams(temperature=0, logit_bias=((1, -100.0), (2, 1.5)), logprobs=0)
+    out = sample(logits.clone(), [row(biased)])[0]
+    assert out.token_id == 2
+    assert out.logprobs is not None
+    assert math.isclose(out.logprobs.logprob, float(torch.log_softmax(logits[0], -1)[2]))
+    assert sample(logits, [row(SamplingParams(temperature=0))])[0].token_id == 1
+
+
 def test_same_seed_and_position_same_token_any_batch() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=1.0)

@@ -1,0 +1,172 @@
+"""Response models of the public API, for ``/openapi.json`` and for tests that check the
+responses against them. The handlers build plain dicts (faster on the token path); these
+models describe those dicts exactly, extensions included."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{model}"
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+class Model(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class Completion(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in {
+        400: "Invalid request: the parameter at fault is named in error.param",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Request body too large",
+        429: "Overloaded; retry after the Retry-After header's seconds",
+        503: "No live instance of a role",
+    }.items()
+}
+
+STREAM_NOTE = (
+    "With stream=true the body is text/event-stream: one `data: {json}` event per "
+    "chunk (object chat.completion.chunk or text_completion), then `data: [DONE]`."
+)
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An ``openapi_extra`` that documents a handler's raw JSON body as ``model``."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+        }
+    }
+
+
+def ok_response(model: type[BaseModel], streams: bool) -> dict[int | str, dict[str, Any]]:
+    event = {
+        "type": "object",
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "description": "a JSON chunk, or [DONE] last"},
+        },
+        "required": ["data"],
+    }
+    content: dict[str, Any] = {"text/event-stream": {"schema": event}}
+    return {
+        200: {
+            "model": model,
+            "description": STREAM_NOTE if streams else "OK",
+            "content": content if streams else {},
+        },
+        **ERRORS,
+    }
+
+
+def request_schemas() -> dict[str, Any]:
+    """JSON schemas of the request bodies and everything they refer to."""
+    _, top = models_json_schema(
+        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        ref_template=REF,
+    )
+    return dict(top.get("$defs", {}))
