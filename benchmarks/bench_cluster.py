@@ -28,6 +28,7 @@ def bench_cluster(
             ports=lambda role, i: free_port(),
             transport="ucx",
             threads=1,
+            dtype="float32",  # the benches compare with fp32 references and past figures
             extra_env={"BATON_LOG_LEVEL": "info" if logs else "warning", **env},
         )
         return replace(base, **topology)

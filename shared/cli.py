@@ -101,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16"],
         default=None,
-        help=f"compute dtype ({from_settings('dtype')})",
+        help=f"compute dtype; auto: bfloat16 where the hardware has it natively, else "
+        f"float32 ({from_settings('dtype')})",
     )
     gen.add_argument(
         "--threads",
@@ -154,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16"],
         default=None,
-        help=f"compute dtype of the workers ({from_settings('dtype')})",
+        help=f"compute dtype of the workers; auto: bfloat16 where the CPU (avx512_bf16, "
+        f"AMX) or GPU has it natively, else float32 ({from_settings('dtype')})",
     )
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up.add_argument(

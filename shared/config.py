@@ -15,8 +15,11 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.errors import ConfigError
+from shared.hardware import auto_dtype
 
 DType = Literal["float32", "bfloat16", "float16"]
+# auto: bfloat16 where the hardware computes it natively, else float32 (shared.hardware)
+DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 # decode attention: the native C kernel (CPU), pure torch, or native where it builds
 AttentionBackend = Literal["auto", "native", "torch"]
 # weight GEMMs: the native fp32 kernel (CPU), oneDNN on prepacked weights (CPU),
@@ -98,7 +101,7 @@ class BatonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATON_", extra="ignore")
 
     model: str | None = None
-    dtype: DType = "float32"
+    dtype: DTypeSetting = "auto"
     device: str = "cpu"
     num_threads: int | None = Field(default=None, ge=1)
     attention: AttentionBackend = "auto"
@@ -146,10 +149,16 @@ class BatonSettings(BaseSettings):
             secret=self.cluster_secret,
         )
 
+    def resolved_dtype(self) -> DType:
+        """The compute dtype: the setting, or for ``auto`` what the hardware runs natively."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if auto_dtype(self.device).dtype == "bfloat16" else "float32"
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
-            dtype=self.dtype,
+            dtype=self.resolved_dtype(),
             device=self.device,
             num_threads=self.num_threads,
             attention=self.attention,

@@ -271,13 +271,16 @@ class Gateway:
 
     def model_card(self) -> dict[str, Any]:
         """The model as ``/v1/models`` lists it (``created``: the oldest live decode's start)."""
-        created = int(min((m.started_at for m in self.router.live("decode")), default=time.time()))
+        decode = self.router.live(self.roles[-1])
+        created = int(min((m.started_at for m in decode), default=time.time()))
         return {
             "id": self.model.name,
             "object": "model",
             "created": created,
             "owned_by": "baton",
             "max_model_len": self.model.arch.max_position_embeddings,
+            # what the live instances compute in (--dtype auto picks per machine)
+            "dtype": sorted({m.dtype for m in decode if m.dtype}),
         }
 
     def refresh_gauges(self) -> None:

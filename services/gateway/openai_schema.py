@@ -35,6 +35,7 @@ class Model(_Out):
     created: int
     owned_by: str
     max_model_len: int
+    dtype: list[str]
 
 
 class ModelList(_Out):

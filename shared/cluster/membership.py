@@ -44,6 +44,7 @@ class Member(BaseModel):
     transport: str | None = None
     capacity_bytes: int | None = None
     model: str | None = None  # served model name (prefill/decode)
+    dtype: str | None = None  # compute dtype (prefill/decode)
     kv_namespace: str | None = None  # model identity + KV layout: workers pair only when equal
     block_size: int | None = None  # tokens per KV block (the gateway computes block keys)
     load: dict[str, float] = {}

@@ -34,6 +34,7 @@ from shared.engine.engine_loop import EngineLoop, Output, next_output
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.request import CacheHit, TokenLogprobs
 from shared.engine.snapshot import EngineSnapshot
+from shared.hardware import auto_dtype
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.connector import KVStoreConnector
 from shared.kvstore.connector_metrics import ConnectorMetrics
@@ -227,9 +228,12 @@ class Worker:
     async def start(self) -> None:
         port = self.settings.port
         self._connector = self.make_connector()
+        config = self.engine_config()
+        why = "set" if self.baton.dtype != "auto" else auto_dtype(config.device).reason
+        log.info("%s: dtype %s (%s: %s)", self.role, config.dtype, self.baton.dtype, why)
         engine = await asyncio.to_thread(
             Engine.from_config,
-            self.engine_config(),
+            config,
             cache_dir=self.baton.cache_dir,
             progress=False,
             connector=self._connector,
@@ -252,6 +256,7 @@ class Worker:
             host=self.settings.advertise_host,
             http_port=port,
             model=engine.loaded.name,
+            dtype=config.dtype,
             kv_namespace=engine.hasher.namespace,
             block_size=engine.layout.block_size,
             capacity_bytes=engine.kv_cache.num_blocks * engine.layout.block_bytes,

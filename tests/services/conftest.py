@@ -82,6 +82,7 @@ def start_cluster(
             ports=free_ports,
             transport="ucx",
             threads=1,
+            dtype="float32",  # what the in-process reference engines compute in
             kv_cache_gb=kv_cache_gb,
             kvstore_gb=kvstore_gb,
             extra_env={**FAST_HEARTBEAT, **env},
