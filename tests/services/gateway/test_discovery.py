@@ -56,7 +56,9 @@ def test_replicas_come_and_go(small: LocalCluster) -> None:
         ports=free_ports,
         transport="ucx",
         kv_cache_gb=0.25,
+        dtype="float32",
         extra_env={**FAST_HEARTBEAT, "BATON_LOG_LEVEL": "warning"},
+        cluster_secret=small.secret.value,  # it joins this cluster
     )
     extra = next(s for s in plan(topo) if s.name == "decode-1")
     small.add(extra)
