@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from shared.config import BatonSettings, EngineConfig
-from shared.errors import BatonError, InvalidRequestError
+from shared.errors import BatonError, ConfigError, InvalidRequestError
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -184,6 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pin CPUs: prefill on core 0 and decode's engine on core 1 (its I/O on core 0), "
         "or colocated on cores 0,1",
+    )
+    status = sub.add_parser("status", help="print the live cluster from Redis")
+    status.add_argument(
+        "--redis-url",
+        default=None,
+        help=f"the cluster's Redis (as `baton up` prints it) ({from_settings('redis_url')})",
+    )
+    status.add_argument(
+        "--prefix", default=None, help=f"Redis key prefix ({from_settings('redis_prefix')})"
+    )
+    status.add_argument("--json", action="store_true", help="one JSON object per instance")
+    status.add_argument(
+        "--watch", type=float, default=0.0, help="refresh every this many seconds (0: once)"
     )
     from shared.bench.command import add_parser as add_bench_parser
 
@@ -356,6 +370,36 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_until_signalled(cluster)
 
 
+async def cmd_status(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from shared.cluster.keys import Keys
+    from shared.cluster.status import cluster_members, render
+
+    settings = BatonSettings()
+    url = args.redis_url or settings.redis_url
+    redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        while True:
+            try:
+                members = await cluster_members(redis, Keys(args.prefix or settings.redis_prefix))
+            except (RedisError, OSError) as exc:
+                raise ConfigError(f"cannot read the cluster from {url}: {exc}") from exc
+            if args.json:
+                for m in members:
+                    print(m.model_dump_json())
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")  # clear the terminal between refreshes
+                print(render(members, time.time()), flush=True)
+            if not args.watch:
+                return 0 if members else 1
+            await asyncio.sleep(args.watch)
+    finally:
+        await redis.aclose()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -363,6 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_model_pull(args)
         if args.command == "up":
             return cmd_up(args)
+        if args.command == "status":
+            return asyncio.run(cmd_status(args))
         if args.command == "bench":
             from shared.bench.command import run as run_bench
 

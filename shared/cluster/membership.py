@@ -49,6 +49,7 @@ class Member(BaseModel):
     block_size: int | None = None  # tokens per KV block (the gateway computes block keys)
     load: dict[str, float] = {}
     started_at: float = 0.0
+    heartbeat_at: float = 0.0  # wall clock of the record's last refresh
 
     @property
     def http_url(self) -> str:
@@ -138,7 +139,7 @@ class Heartbeat:
         """Refresh the key. If Redis was unreachable, or the key had expired (a stall
         long enough for others to declare this instance dead and clear its index
         entries), ``on_reconnect`` runs so the owner republishes what it holds."""
-        record = self.member.model_copy(update={"load": self.load()})
+        record = self.member.model_copy(update={"load": self.load(), "heartbeat_at": time.time()})
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.set(self.key, record.model_dump_json(), px=self.ttl_ms, get=True)

@@ -17,6 +17,8 @@ class ConnectorMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str = ""):
         r = registry
         self.model_name = model_name  # vLLM's label (see :meth:`bind`)
+        self._queried_tokens = 0  # running sums behind hit_rate() (for membership load)
+        self._hit_tokens = 0
         self.queried = Counter(
             "baton_prefix_cache_queried_tokens",
             "Prompt tokens looked up in the prefix caches (local pool, then the KV store)",
@@ -99,8 +101,14 @@ class ConnectorMetrics:
         self.loaded_bytes.inc(nbytes)
         self.load_s.observe(seconds)
 
+    def hit_rate(self) -> float | None:
+        """Share of the prompt tokens looked up here whose KV was reused (None: none yet)."""
+        return self._hit_tokens / self._queried_tokens if self._queried_tokens else None
+
     def observe_hit(self, num_prompt_tokens: int, hit: CacheHit) -> None:
         """A prompt computed here, less what was reused (once per request)."""
+        self._queried_tokens += num_prompt_tokens
+        self._hit_tokens += hit.local_tokens + hit.external_tokens
         self.queried.inc(num_prompt_tokens)
         self.hits.labels("local").inc(hit.local_tokens)
         self.hits.labels("store").inc(hit.external_tokens)

@@ -302,13 +302,17 @@ class Worker:
     def _load(self) -> dict[str, float]:
         snap = self.loop.snapshot
         self.metrics.observe_engine(snap, len(self.in_flight))
-        return {
+        load = {
             "in_flight": float(len(self.in_flight)),
             "kv_usage": snap.usage,
             "free_blocks": float(snap.free_slots),
             "draining": float(self.draining),  # routers send it nothing new
             **self.load(),
         }
+        hit_rate = self.connector_metrics.hit_rate()
+        if hit_rate is not None:
+            load["cache_hit_rate"] = hit_rate
+        return load
 
     def admit(self) -> None:
         """Refuse new requests once draining (the gateway tries another instance)."""

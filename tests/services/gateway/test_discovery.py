@@ -5,6 +5,9 @@ left the gateway answers 503 (and /ready says so)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,3 +95,22 @@ def test_replicas_come_and_go(small: LocalCluster) -> None:
     assert r.json()["error"]["code"] == "no_live_instance"
     ready = httpx.get(url + "/ready", timeout=5)
     assert ready.status_code == 503 and ready.json()["decode"] == 0
+
+
+def test_baton_status_lists_every_live_instance(small: LocalCluster) -> None:
+    assert request_burst(small.gateway_url, 2) == [200, 200]
+    time.sleep(1.0)  # a heartbeat after the requests carries the cache figures
+    status = [sys.executable, "-m", "shared.cli", "status", "--redis-url", small.redis.url]
+    records = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60)
+    assert records.returncode == 0, records.stderr
+    members = [json.loads(line) for line in records.stdout.splitlines()]
+    assert sorted(m["role"] for m in members) == ["decode", "kvstore", "prefill"]
+    for m in members:
+        assert time.time() - m["heartbeat_at"] < 5, m
+        if m["role"] != "kvstore":
+            assert m["dtype"] == "float32" and "kv_usage" in m["load"]
+    prefill = next(m for m in members if m["role"] == "prefill")
+    assert 0.0 <= prefill["load"]["cache_hit_rate"] <= 1.0
+    table = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 4
+    assert table.stdout.startswith("instance")
