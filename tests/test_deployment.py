@@ -1,17 +1,26 @@
-"""docker-compose.yml and the Dockerfile run what the local launcher runs.
+"""docker-compose.yml, the Kubernetes manifests and the Dockerfile run what the local
+launcher runs.
 
-There is no Docker engine here, so the compose file is checked by reading it:
-each role's command and environment must equal :func:`shared.launcher.compose_plan`
-(the launcher's plan with container addresses), and scaling must be possible."""
+The compose file is checked by reading it: each role's command and environment must
+equal :func:`shared.launcher.compose_plan` (the launcher's plan with container
+addresses), and scaling must be possible. The Kubernetes manifests are rendered with
+``kubectl kustomize`` and validated against the Kubernetes API schemas
+(``kubernetes-validate``, offline)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
+import pytest
 import yaml
 
 from shared.launcher import ROLE_MODULES, Topology, compose_plan, plan
+from shared.service import GRACEFUL_SHUTDOWN_S
+from shared.serving.worker import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +75,61 @@ def test_dockerfile_builds_one_image_with_the_model() -> None:
     assert "torch==2.13.0" in text
     assert "pip install ." in text
     assert "RUN baton model pull" in text  # pulled at build: containers start offline
+
+
+def kustomized() -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the Kubernetes manifests were not rendered")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "deploy" / "k8s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_kubernetes_manifests_render_and_validate() -> None:
+    docs = kustomized()
+    for doc in docs:  # the API schemas of a current Kubernetes, strict (no unknown fields)
+        kubernetes_validate.validate(doc, desired_version="1.32", strict=True)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert kinds >= {
+        ("Secret", "baton-cluster"),
+        ("StatefulSet", "kvstore"),
+        ("Deployment", "redis"),
+        ("Deployment", "prefill"),
+        ("Deployment", "decode"),
+        ("Deployment", "gateway"),
+        ("Service", "gateway"),
+        ("Service", "redis"),
+    }
+
+
+def test_kubernetes_pods_run_the_launcher_plan_with_probes_and_drain_time() -> None:
+    """Each role's container runs the plan's command with the plan's settings (the
+    secret from the Secret, its own pod IP as the advertised address)."""
+    workloads = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]
+        for d in kustomized()
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    drain = WorkerSettings.model_fields["drain_timeout_s"].default
+    for spec in compose_plan():
+        pod = workloads[spec.role]
+        (container,) = pod["containers"]
+        assert container["command"] == spec.command("python"), spec.role
+        env = {e["name"]: e for e in container["env"]}
+        assert set(env) - set(spec.env) <= {f"BATON_{spec.role.upper()}_ADVERTISE_HOST"}
+        for name, value in spec.env.items():
+            if name == "BATON_CLUSTER_SECRET":
+                assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "baton-cluster"
+            else:
+                assert env[name]["value"] == value, (spec.role, name)
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert container["resources"]["requests"]
+        if spec.role in ("prefill", "decode"):
+            assert pod["terminationGracePeriodSeconds"] >= drain + GRACEFUL_SHUTDOWN_S
