@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.decode.decoder import DecodeMetrics
-from services.gateway.app import Timeline
 from services.gateway.metrics import ChoiceTimes, GatewayMetrics
+from services.gateway.timeline import Timeline
 from services.kvstore.metrics import StoreMetrics
 from services.prefill.prefiller import PrefillMetrics
 from shared.engine.request import CacheHit

@@ -1,36 +1,33 @@
 """The gateway's HTTP API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/health``, ``/ready``, ``/metrics``.
+``/v1/models/{id}``, ``/health``, ``/ready``, ``/metrics``, ``/openapi.json``.
 
 Edge rules: optional API keys (``Authorization: Bearer``), a request size
-limit (413), bodies validated with pydantic (400 with an OpenAI error body,
-invalid JSON included), unknown model 404, prompt over the context 400,
-backpressure 429 with ``Retry-After``, no live instance of a role 503. The
-request id (the client's ``X-Request-Id`` or a new one) goes to every worker
-and into every log line, and comes back in the response header.
+limit (413), bodies validated with pydantic (400 naming the parameter, invalid
+JSON included), unknown model 404 ``model_not_found``, prompt over the context
+400, backpressure 429 with ``Retry-After``, no live instance of a role 503.
+Serving a validated request is :mod:`services.gateway.completion`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import secrets
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from services.gateway.completion import serve
 from services.gateway.decode_session import FailoverPolicy
-from services.gateway.handoff import CacheReport, Generated, Handoff
-from services.gateway.metrics import ChoiceTimes, GatewayMetrics
+from services.gateway.handoff import Handoff
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_schema import (
     ChatCompletion,
     Completion,
@@ -42,7 +39,7 @@ from services.gateway.openai_schema import (
 )
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prefix_locator import PrefixLocator
-from services.gateway.responses import SSE_DONE, Choices, Kind, Prepared, Step, sse
+from services.gateway.responses import Kind, Prepared
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
 from shared.cluster.auth import ClusterSecret
@@ -51,11 +48,10 @@ from shared.cluster.keys import Keys
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
 from shared.errors import InvalidRequestError
-from shared.logs import request_id_var
 from shared.model.tokenizer_loader import TokenizerOnly, load_tokenizer
 from shared.service import component_of, service_app
-from shared.serving.errors import ServiceError, classify, error_body, error_response
-from shared.serving.protocol import BATON_REQUEST_ID_HEADER, REQUEST_ID_HEADER, SamplingSpec
+from shared.serving.errors import ServiceError, error_body, error_response
+from shared.serving.protocol import SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -317,239 +313,6 @@ def tenant_salt(api_key: str, requested: str | None) -> str:
     never leaves the gateway."""
     tenant = hashlib.sha256(api_key.encode()).hexdigest()[:32]
     return f"key:{tenant}" if requested is None else f"key:{tenant}|{requested}"
-
-
-class Timeline:
-    """Per-request latency bookkeeping (vLLM's serving-benchmark definitions). With ``n``
-    choices, TTFT is the first token of any, ITL is per choice, E2E ends at the last."""
-
-    def __init__(self, metrics: GatewayMetrics, client_id: str | None):
-        self.metrics = metrics
-        self.client_id = client_id
-        self.start = time.perf_counter()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.tokens = 0
-        self.cache: CacheReport | None = None
-        self.choices: dict[int, ChoiceTimes] = {}
-
-    def token(self, index: int = 0, finish_reason: str | None = None) -> None:
-        now = time.perf_counter()
-        choice = self.choices.get(index)
-        if choice is None:
-            self.choices[index] = ChoiceTimes(now, now, finish_reason=finish_reason)
-            self.metrics.first_token(now - self.start, of_request=self.first is None)
-        else:
-            self.metrics.next_token(now - choice.last)
-            choice.add(now, finish_reason)
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.tokens += 1
-
-    def end(self, outcome: str) -> None:
-        cache = self.cache
-        log.info(
-            "request %s: %d tokens, ttft %s, e2e %.3fs, cached tokens %s (router predicted %s)%s",
-            outcome,
-            self.tokens,
-            f"{self.first - self.start:.3f}s" if self.first is not None else "-",
-            time.perf_counter() - self.start,
-            cache.actual if cache is not None else "-",
-            cache.predicted if cache is not None else "-",
-            f", client request id {self.client_id!r}" if self.client_id else "",
-        )
-        self.metrics.finished(outcome, self.start, list(self.choices.values()))
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (the body was already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """Choice ``index``'s seed: the request's own for the first, distinct ones after it."""
-    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
-
-
-async def _close_all(streams: list[AsyncGenerator[Generated, None]]) -> None:
-    for stream in streams:
-        await stream.aclose()
-
-
-async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
-    # The gateway owns request ids; a client's X-Request-Id is only echoed and logged.
-    request_id = uuid.uuid4().hex
-    request_id_var.set(request_id)
-    client_id = request.headers.get(REQUEST_ID_HEADER)
-    headers = {REQUEST_ID_HEADER: client_id or request_id, BATON_REQUEST_ID_HEADER: request_id}
-    try:
-        api_key = gw.check_auth(request)
-        prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id, api_key)
-        gw.admit(prepared)
-    except Exception as exc:
-        gw.metrics.requests.labels("rejected").inc()
-        response = error_response(exc)
-        response.headers.update(headers)
-        return response
-    gw.in_flight += prepared.n
-    gw.metrics.prompt_tokens.inc(len(prepared.prompt))
-    timeline = Timeline(gw.metrics, client_id)
-    streams = [
-        gw.handoff.generate(
-            request_id if i == 0 else f"{request_id}n{i}",
-            prepared.prompt,
-            spec.model_copy(update={"seed": choice_seed(spec.seed, i)}),
-            prepared.cache_salt,
-        )
-        for i in range(prepared.n)
-    ]
-    choices = Choices(prepared, gw.model.tokenizer)
-    # Wait for the first tokens before answering, so that a failure before them (no
-    # instance, refused prompt) is a proper HTTP status; stop if the client leaves.
-    first_tasks = [asyncio.ensure_future(anext(s)) for s in streams]
-    gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
-    arrived: asyncio.Future[Any] = asyncio.gather(*first_tasks, return_exceptions=True)
-    try:
-        await asyncio.wait({gone, arrived}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not all(t.done() for t in first_tasks):
-        for task in first_tasks:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        await _close_all(streams)
-        gw.in_flight -= prepared.n
-        timeline.end("client_gone")
-        return Response(status_code=499, headers=headers)
-    failed = next((t.exception() for t in first_tasks if t.exception() is not None), None)
-    if failed is not None:
-        await _close_all(streams)
-        gw.in_flight -= prepared.n
-        timeline.end("error")
-        response = error_response(failed)
-        response.headers.update(headers)
-        return response
-    firsts = [t.result() for t in first_tasks]
-    for i in range(prepared.n):
-        timeline.token(i, firsts[i].finish_reason)
-    cache = firsts[0].cache
-    if cache is not None:
-        choices.cached_tokens = cache.actual
-        gw.metrics.observe_cache(cache.predicted, cache.actual)
-        timeline.cache = cache
-    run = Run(gw, choices, firsts, streams, timeline)
-    if prepared.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream", headers=headers)
-    return await run.whole(headers)
-
-
-class Run:
-    """One admitted request whose first tokens are in: its steps, streamed or whole."""
-
-    def __init__(
-        self,
-        gw: Gateway,
-        choices: Choices,
-        firsts: list[Generated],
-        streams: list[AsyncGenerator[Generated, None]],
-        timeline: Timeline,
-    ):
-        self.gw = gw
-        self.choices = choices
-        self.firsts = firsts
-        self.streams = streams
-        self.timeline = timeline
-
-    async def _steps(self, index: int) -> AsyncIterator[Step]:
-        builder = self.choices.builders[index]
-        step = builder.add(self.firsts[index])
-        yield step
-        while step.finish_reason is None:
-            gen = await anext(self.streams[index])
-            self.timeline.token(index, gen.finish_reason)
-            step = builder.add(gen)
-            yield step
-
-    def _all_steps(self) -> AsyncIterator[tuple[int, Step]]:
-        if len(self.streams) == 1:
-            return _indexed(self._steps(0))
-        return merge([self._steps(i) for i in range(len(self.streams))])
-
-    async def _finish(self, outcome: str) -> None:
-        await _close_all(self.streams)
-        self.gw.in_flight -= len(self.streams)
-        self.timeline.end(outcome)
-
-    async def stream(self) -> AsyncIterator[str]:
-        outcome = "client_gone"
-        builders = self.choices.builders
-        try:
-            try:
-                async for index, step in self._all_steps():
-                    yield builders[index].chunk(step)
-                    if step.finish_reason is not None:
-                        yield builders[index].final_chunk()
-                if self.choices.p.include_usage:
-                    yield self.choices.usage_chunk()
-                outcome = "ok"
-            except (Exception, StopAsyncIteration) as exc:
-                err = classify(exc if isinstance(exc, Exception) else RuntimeError("stream ended"))
-                log.warning("stream failed: %s", err)
-                outcome = "error"
-                yield sse(error_body(err.status, str(err), err.code))
-            yield SSE_DONE
-        finally:
-            await self._finish(outcome)
-
-    async def whole(self, headers: dict[str, str]) -> Response:
-        outcome = "error"
-        steps: list[list[Step]] = [[] for _ in self.streams]
-        try:
-            async for index, step in self._all_steps():
-                steps[index].append(step)
-            outcome = "ok"
-            return JSONResponse(self.choices.response(steps), headers=headers)
-        except Exception as exc:
-            response = error_response(exc)
-            response.headers.update(headers)
-            return response
-        finally:
-            await self._finish(outcome)
-
-
-async def _indexed(steps: AsyncIterator[Step]) -> AsyncIterator[tuple[int, Step]]:
-    async for step in steps:
-        yield 0, step
-
-
-async def merge(iterators: list[AsyncIterator[Step]]) -> AsyncIterator[tuple[int, Step]]:
-    """Items of several iterators as they arrive, each with its iterator's index; an
-    iterator's error ends the merge (the others are cancelled)."""
-    pending: dict[asyncio.Future[Step], int] = {
-        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
-    }
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.__getitem__):
-                index = pending.pop(task)
-                try:
-                    item = task.result()
-                except StopAsyncIteration:
-                    continue
-                yield index, item
-                pending[asyncio.ensure_future(anext(iterators[index]))] = index
-    finally:
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(BaseException):
-                await task
 
 
 def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from services.gateway.app import choice_seed
+from services.gateway.completion import choice_seed
 from services.gateway.openai_schema import ChatCompletion, Completion, ModelList
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
