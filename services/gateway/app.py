@@ -33,6 +33,7 @@ from services.gateway.openai_schema import (
     Completion,
     Model,
     ModelList,
+    Readiness,
     ok_response,
     request_body,
     request_schemas,
@@ -362,7 +363,13 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
             return error_response(exc)
         return JSONResponse(gw.model_card())
 
-    @app.get("/ready", responses={503: {"description": "Some role has no live instance"}})
+    @app.get(
+        "/ready",
+        responses={
+            200: {"model": Readiness, "description": "Every role has a live instance"},
+            503: {"model": Readiness, "description": "Some role has no live instance"},
+        },
+    )
     async def ready(request: Request) -> JSONResponse:
         gw = gateway(request)
         live = {role: len(gw.router.live(role)) for role in gw.roles}

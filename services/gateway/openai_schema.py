@@ -116,6 +116,17 @@ class Completion(_Out):
     prompt_token_ids: list[int] | None = None
 
 
+class Readiness(BaseModel):
+    """``/ready``: 200 once every role has a live instance, else 503; then the number of
+    live instances of each role (``prefill``, ``decode``; or ``colocated``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ready", "waiting"]
+    redis: bool
+    __pydantic_extra__: dict[str, int]
+
+
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what}
     for status, what in {
