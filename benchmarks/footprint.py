@@ -180,7 +180,7 @@ def main() -> None:
             model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
             for prompt in PROMPTS:
                 print(repr(chat(base, model, prompt)[:60]))
-            time.sleep(2)
+            time.sleep(2)  # a heartbeat or two: what the requests allocated is counted
             result = report(proc.pid)
         finally:
             proc.send_signal(signal.SIGINT)

@@ -10,7 +10,6 @@ name and renamed, so a half-written library is never loaded.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -22,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shared.errors import KernelBuildError
+from shared.filelock import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def build_library(source_path: Path, out_dir: Path) -> Path:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise KernelBuildError(f"cannot create kernel directory {out_dir}: {e}") from e
-        with _locked(out_dir / f"{source_path.stem}.lock"):
+        with file_lock(out_dir / f"{source_path.stem}.lock"):
             if target.exists():  # another process built it while we waited
                 return target
             error = _compile(compiler, flags, source_path, target)
@@ -127,19 +127,3 @@ def _compile(compiler: str, flags: Sequence[str], source: Path, target: Path) ->
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-class _locked:
-    """An exclusive ``flock`` on ``path`` for the ``with`` block."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._fd = -1
-
-    def __enter__(self) -> None:
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)

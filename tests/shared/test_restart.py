@@ -253,7 +253,9 @@ def test_redis_restarts_on_its_port_over_time_wait() -> None:
             server.proc.kill()  # the kernel closes the server's side first
             server.proc.wait(10)
             assert client.recv(1) == b""
-        time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while not time_wait_on(server.port) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert time_wait_on(server.port)
         server.start()
     finally:

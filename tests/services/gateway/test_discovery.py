@@ -99,11 +99,14 @@ def test_replicas_come_and_go(small: LocalCluster) -> None:
 
 def test_baton_status_lists_every_live_instance(small: LocalCluster) -> None:
     assert request_burst(small.gateway_url, 2) == [200, 200]
-    time.sleep(1.0)  # a heartbeat after the requests carries the cache figures
     status = [sys.executable, "-m", "shared.cli", "status", "--redis-url", small.redis.url]
-    records = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60)
-    assert records.returncode == 0, records.stderr
-    members = [json.loads(line) for line in records.stdout.splitlines()]
+    deadline = time.monotonic() + 10
+    while True:  # the heartbeat after the requests carries the cache figures
+        records = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60)
+        assert records.returncode == 0, records.stderr
+        members = [json.loads(line) for line in records.stdout.splitlines()]
+        if any("cache_hit_rate" in m["load"] for m in members) or time.monotonic() > deadline:
+            break
     assert sorted(m["role"] for m in members) == ["decode", "kvstore", "prefill"]
     for m in members:
         assert time.time() - m["heartbeat_at"] < 5, m
