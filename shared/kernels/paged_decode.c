@@ -14,6 +14,13 @@
  * for the whole context, an exact max-subtracted softmax, then the weighted
  * sum of V.
  *
+ * Prefill (baton_paged_prefill_*) runs the same compiled task for each new
+ * token of a prompt, over the context up to that token: a token's attention is
+ * bitwise what decode computes for it. So the KV of tokens a decode instance
+ * generated equals the KV a prefill recomputes for them (after a failover, a
+ * preemption, or in the next turn of a chat served from cache): greedy and
+ * seeded outputs stay identical on every path, in bf16 as in fp32.
+ *
  * Built on first use by shared/kernels/build.py, called through ctypes.
  */
 #include <stdint.h>
@@ -264,8 +271,10 @@ DEFINE_HEAD_V(vhead_bf16, uint16_t, scores_bf16, values_bf16, bf16_to_f32)
 #endif
 
 #define ARGS q, k, v, out, table, len, block_size, block_stride, tok_stride
+/* noinline: decode and prefill call this one compiled copy, so no caller's
+ * inlining (and FP contraction) can make their arithmetic differ. */
 #define DEFINE_TASK(NAME, T, HEAD, VHEAD)                                                   \
-    static void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
+    __attribute__((noinline)) static void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
                      int64_t len, int64_t block_size, int64_t block_stride,                \
                      int64_t tok_stride, int64_t group, int64_t d, float scale,            \
                      float *scratch) {                                                     \
@@ -313,6 +322,42 @@ DEFINE_TASK(task_bf16, uint16_t, head_bf16, vhead_bf16)
 
 DEFINE_ENTRY(baton_paged_decode_f32, task_f32, float)
 DEFINE_ENTRY(baton_paged_decode_bf16, task_bf16, uint16_t)
+
+/* Prefill: q and out are [n, heads, head_dim], the newest n of context_len
+ * tokens of one sequence whose blocks are table[0 .. ceil(context_len /
+ * block_size)); token t attends to tokens 0 ..= context_len - n + t. Each
+ * (token, KV head) pair is a decode task over that many tokens. */
+#define DEFINE_PREFILL(NAME, TASK, T)                                                      \
+    int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table, int64_t n, \
+             int64_t context_len, int64_t heads, int64_t kv_heads, int64_t d,             \
+             int64_t block_size, int64_t block_stride, float scale, int threads) {        \
+        if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0 ||        \
+            n <= 0 || n > context_len)                                                    \
+            return 1;                                                                     \
+        int64_t group = heads / kv_heads, tok_stride = kv_heads * d;                      \
+        int64_t prefix = context_len - n;                                                 \
+        int64_t width = (context_len + block_size - 1) / block_size;                      \
+        int64_t per_thread = group * (d + 1 + width * block_size);                        \
+        int failed = 0;                                                                   \
+        _Pragma("omp parallel num_threads(threads) reduction(|: failed)")                 \
+        {                                                                                 \
+            float *scratch = malloc(sizeof(float) * per_thread);                          \
+            failed = scratch == NULL;                                                     \
+            _Pragma("omp for schedule(dynamic, 1) collapse(2)")                           \
+            for (int64_t t = n - 1; t >= 0; t--) /* longest first */                     \
+                for (int64_t h = 0; h < kv_heads; h++) {                                  \
+                    if (scratch == NULL) continue;                                        \
+                    int64_t off = (t * heads + h * group) * d;                            \
+                    TASK(q + off, k + h * d, v + h * d, out + off, table, prefix + t + 1, \
+                         block_size, block_stride, tok_stride, group, d, scale, scratch); \
+                }                                                                         \
+            free(scratch);                                                                \
+        }                                                                                 \
+        return failed ? 2 : 0;                                                            \
+    }
+
+DEFINE_PREFILL(baton_paged_prefill_f32, task_f32, float)
+DEFINE_PREFILL(baton_paged_prefill_bf16, task_bf16, uint16_t)
 
 /* Decode K/V writes: row i of k_new / v_new (kv_heads * head_dim values,
  * row_bytes long; rows src_stride bytes apart) goes to token offsets[i] of

@@ -1,5 +1,6 @@
-"""ctypes binding of ``paged_prefill.c``: a prompt's attention over its context,
-K/V read through the block table.
+"""ctypes binding of the prefill entry of ``paged_decode.c``: a prompt's attention
+over its context, K/V read through the block table, each token computed by the
+decode kernel's own task (so prefill and decode agree bit for bit).
 
 Ownership: the caller owns every tensor; the kernel only reads ``q``, the pools
 and ``table`` and writes ``out``, and returns before the call does (ctypes
@@ -23,23 +24,21 @@ from shared.kernels.binding import (
 )
 from shared.kernels.build import build_library
 
-SOURCE = Path(__file__).with_name("paged_prefill.c")
+SOURCE = Path(__file__).with_name("paged_decode.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
-MAX_HEAD_DIM = 256
 
 
 class PagedPrefillKernel:
-    """The compiled kernel, one entry point per storage dtype (fp32, bf16). It
-    needs AVX-512: :attr:`available` is False where the compiler did not target it."""
+    """The compiled kernel, one entry point per storage dtype (fp32, bf16); an
+    AVX-512 path where the compiler targets it, a portable one elsewhere (the same
+    as decode's on the same machine)."""
 
     def __init__(self, library: Path):
         lib = load_library(library)
         self.library = library
-        lib.baton_paged_prefill_available.restype = ctypes.c_int
-        self.available = bool(lib.baton_paged_prefill_available())
-        self._entry = bind_dtypes(lib, "baton_paged_prefill", _ARGTYPES) if self.available else {}
+        self._entry = bind_dtypes(lib, "baton_paged_prefill", _ARGTYPES)
 
     @classmethod
     def build(cls, kernel_dir: Path) -> PagedPrefillKernel:
@@ -47,7 +46,7 @@ class PagedPrefillKernel:
         return cls(build_library(SOURCE, kernel_dir))
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in self._entry and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+        return dtype in self._entry and head_dim > 0
 
     def __call__(
         self,

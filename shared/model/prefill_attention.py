@@ -2,8 +2,9 @@
 
 Two implementations of one boundary. :class:`NativePrefill` runs the C kernel
 of :mod:`shared.kernels.paged_prefill`, which reads K/V through the block table
-in place; its results do not depend on how a prompt is chunked. :class:`SdpaPrefill`
-is torch's SDPA and runs anywhere (CUDA, CPUs without AVX-512).
+in place; each token's result is bitwise what the native decode kernel computes
+for it, however a prompt is chunked. :class:`SdpaPrefill` is torch's SDPA and
+runs anywhere (CUDA, or a CPU without a C compiler).
 :func:`select_prefill_attention` picks one for an engine.
 
 Ownership: an instance belongs to one model runner and runs one call at a time.
@@ -88,8 +89,8 @@ class SdpaPrefill(PrefillAttention):
 
 
 class NativePrefill(PrefillAttention):
-    """The C kernel: K/V read through the block table, fp32 math, 2.2-3.6x SDPA's
-    speed on CPU (``benchmarks/attention_bench.py``)."""
+    """The C kernel: K/V read through the block table, fp32 math, each token
+    computed as decode computes it (``benchmarks/attention_bench.py`` for speed)."""
 
     name = "native"
 
@@ -129,9 +130,7 @@ def select_prefill_attention(
         except KernelBuildError as e:
             problem = str(e)
         else:
-            if not kernel.available:
-                problem = "it needs a compiler targeting AVX-512"
-            elif not kernel.supports(dtype, head_dim):
+            if not kernel.supports(dtype, head_dim):
                 problem = f"it does not support {dtype} with head_dim {head_dim}"
     if kernel is not None and problem is None:
         return NativePrefill(kernel)

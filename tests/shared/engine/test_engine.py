@@ -194,6 +194,32 @@ def test_regenerating_from_any_position_reproduces_the_rest(
         assert rest == full[cut:], cut
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_of_generated_tokens_continues_exactly(cache_dir: Path, dtype: str) -> None:
+    """What failover, recompute-preemption and a cached next chat turn rely on: a
+    prompt that ends in tokens the engine generated, prefilled in one pass, continues
+    with exactly the tokens generation went on with, greedy and seeded, in each dtype
+    (bf16 rounds the KV it stores, so any prefill/decode difference would show)."""
+    loaded = load_model(None, cache_dir=cache_dir, dtype=dtype, progress=False)
+    config = EngineConfig(dtype=dtype)  # type: ignore[arg-type]
+    prompts = _prompts(loaded)[1:7]
+    for i, prompt in enumerate(prompts):
+        seed = None if i % 2 else 77 + i
+        params = SamplingParams(
+            max_tokens=48, temperature=0 if seed is None else 0.9, seed=seed, ignore_eos=True
+        )
+        full = Engine(loaded, config).generate([prompt], params)[0].token_ids
+        for cut in (3, 17, 40):
+            rest = Engine(loaded, config).generate(
+                [prompt + full[:cut]],
+                SamplingParams(
+                    max_tokens=48 - cut, temperature=params.temperature, seed=seed,
+                    ignore_eos=True,
+                ),
+            )[0].token_ids  # fmt: skip
+            assert rest == full[cut:], (i, cut)
+
+
 def test_preemption_under_kv_pressure_keeps_outputs(
     make_engine: EngineFactory, loaded_fp32: LoadedModel
 ) -> None:
