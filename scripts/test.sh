@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Install everything (into ./.venv) and run the whole test suite: lint, types, tests.
+# Install everything (into ./.venv, and the system packages the suite drives: Docker,
+# Chromium) and run the whole test suite: lint, types, tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/install-system.sh
 BATON_EXTRAS=dev bash scripts/install.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

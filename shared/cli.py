@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", required=True)
     pull = msub.add_parser("pull", help="fetch and convert the embedded default model")
     _settings_args(pull)
+    pull.add_argument(
+        "--prepare",
+        action="store_true",
+        help="also build the native kernels and pack the weights for this CPU and --dtype "
+        "(as an image build does), so engines on the same CPU start without either",
+    )
 
     gen = sub.add_parser("generate", help="generate text in one process")
     _settings_args(gen)
@@ -229,7 +235,28 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     resolved = resolve(settings.model, settings.cache_dir, progress=True)
     print(f"{resolved.name}: ready in {resolved.folder} ({time.perf_counter() - t0:.1f} s)")
+    if args.prepare:
+        _prepare(settings)
     return 0
+
+
+def _prepare(settings: BatonSettings) -> None:
+    """Load the engine as a service would and run one token through prefill and decode:
+    every native kernel it uses is compiled and the packed weights are written."""
+    from shared.engine.engine import Engine
+    from shared.engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    config = settings.engine_config()
+    config = replace(config, cache=replace(config.cache, prefault=False))
+    engine = Engine.from_config(config, cache_dir=settings.cache_dir, progress=False)
+    engine.add_request(engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    print(
+        f"{engine.loaded.name}: kernels built and weights packed for {config.dtype} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """The gateway's HTTP API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/v1/models/{id}``, ``/health``, ``/ready``, ``/metrics``, ``/openapi.json``.
+``/v1/models/{id}``, ``/health``, ``/ready``, ``/metrics``, ``/openapi.json``, and the
+operators' status page ``/status`` (its data: ``/status.json``).
 
 Edge rules: optional API keys (``Authorization: Bearer``), a request size
 limit (413), bodies validated with pydantic (400 naming the parameter, invalid
@@ -21,8 +22,9 @@ import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from services.gateway.completion import serve
 from services.gateway.decode_session import FailoverPolicy
@@ -43,6 +45,7 @@ from services.gateway.prefix_locator import PrefixLocator
 from services.gateway.responses import Kind, Prepared
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
+from services.gateway.status_page import PAGE, snapshot
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
@@ -67,7 +70,7 @@ class Gateway:
         self.redis = aioredis.from_url(
             cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
         )
-        keys = Keys(cluster.redis_prefix)
+        self.keys = keys = Keys(cluster.redis_prefix)
         index = BlockIndex(self.redis, keys, cluster.index_ttl_s)
         self.router = Router(
             self.redis,
@@ -385,6 +388,21 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
     async def metrics(request: Request) -> Response:
         gw = gateway(request)
         return Response(gw.metrics.render(gw.refresh_gauges), media_type="text/plain")
+
+    @app.get("/status", include_in_schema=False, response_class=HTMLResponse)
+    async def status_page() -> HTMLResponse:
+        return HTMLResponse(PAGE)
+
+    @app.get("/status.json", include_in_schema=False)
+    async def status_data(request: Request) -> JSONResponse:
+        gw = gateway(request)
+        try:
+            body = await snapshot(gw.redis, gw.keys, gw.metrics.recent, gw.model.name)
+        except RedisError as exc:
+            return error_response(
+                ServiceError(503, f"Redis is unreachable: {exc}", code="redis_unavailable")
+            )
+        return JSONResponse(body)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.gateway.status_page import RecentLatencies
 from shared.serving.metrics import (
     MODEL_LABEL,
     VLLM_ITL_BUCKETS,
@@ -60,6 +61,7 @@ class PromptTokens:
 
 class GatewayMetrics:
     def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.recent = RecentLatencies()  # the status page's sparklines
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         self.ttft = latency_histogram(r, "baton_ttft_seconds", "Request arrival to first token")
@@ -217,8 +219,10 @@ class GatewayMetrics:
         first, last = min(c.first for c in choices), max(c.last for c in choices)
         longest = max(c.tokens for c in choices)
         self.e2e.observe(last - start)
-        if longest > 1:
-            self.tpot.observe((last - first) / (longest - 1))
+        tpot = (last - first) / (longest - 1) if longest > 1 else None
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.recent.record(first - start, tpot)
 
     def observe_cache(self, predicted: int, actual: int) -> None:
         self.cached_tokens.inc(actual)
