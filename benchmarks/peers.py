@@ -1,0 +1,280 @@
+"""Baton against its peers on this machine: vLLM's CPU build and llama.cpp's server.
+
+Each server is started in turn (never two at once) on the same model, the same
+``baton bench`` workloads (unique token-id prompts, forced output lengths, streamed)
+run against it, it is stopped, and one table of Baton's ratios to each peer is
+written (``peers.md`` and ``peers.json`` in ``--out``).
+
+Baton runs as a user starts it: ``baton up`` with its defaults (``--dtype auto``).
+vLLM serves the converted checkpoint Baton loads (fp32 safetensors of the GGUF's
+dequantized weights) in bf16; llama.cpp serves GGUF files requantized from the same
+Q4_1 file (BF16, Q8_0), at each thread count given. How to install the peers (each in
+its own place, never in Baton's venv) is in docs/benchmarks.md.
+
+    python -m benchmarks.peers \\
+        --vllm-python /work/peers/vllm-venv/bin/python \\
+        --llama-server /work/peers/llamacpp-venv/bin/llama-server \\
+        --gguf BF16=/work/peers/models/smollm2-bf16.gguf \\
+        --gguf Q8_0=/work/peers/models/smollm2-q8_0.gguf --llama-threads 1 2
+
+A peer whose option is left out is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from shared.bench import workload as wl
+from shared.bench.metrics import Summary, summarize
+from shared.bench.runner import Target, run_open_loop
+from shared.config import default_cache_dir
+from shared.procs import free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+READY_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    num_prompts: int
+
+
+SCENARIOS = (
+    Scenario("512 in, 1 in flight", 512, 128, 1, 8),
+    Scenario("512 in, 8 in flight", 512, 128, 8, 32),
+    Scenario("512 in, 32 in flight", 512, 128, 32, 64),
+    Scenario("2048 in, 1 in flight", 2048, 128, 1, 4),
+)
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    command: list[str]
+    port: int
+    ready_path: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One server on one scenario: medians in seconds, throughput in tokens/s."""
+
+    ttft_p50: float
+    tpot_p50: float
+    output_tok_s: float
+    failed: int
+
+    @classmethod
+    def of(cls, s: Summary) -> Figures:
+        return cls(s.ttft.median, s.tpot.median, s.output_throughput, s.failed)
+
+
+def baton_server(python: str) -> Server:
+    port = free_port()
+    cmd = [python, "-m", "shared.cli", "up", "--port", str(port), "--redis-port", str(free_port())]
+    return Server("Baton (baton up, defaults)", cmd, port, "/ready")
+
+
+def vllm_server(python: str, folder: Path, threads: int) -> Server:
+    port = free_port()
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+        "--served-model-name", MODEL, "--dtype", "bfloat16", "--port", str(port),
+        "--max-model-len", "8192",
+    ]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    return Server("vLLM CPU, bf16", cmd, port, "/v1/models", env)
+
+
+def llama_server(binary: str, quant: str, gguf: Path, threads: int) -> Server:
+    port = free_port()
+    cmd = [
+        binary, "-m", str(gguf), "--port", str(port), "-t", str(threads), "-c", "16384",
+        "-np", "32", "--alias", MODEL,
+    ]  # fmt: skip
+    return Server(f"llama.cpp {quant}, {threads} thread(s)", cmd, port, "/health")
+
+
+class Running:
+    """A server process in its own session (stopped with its children)."""
+
+    def __init__(self, server: Server, log: Path):
+        self.server = server
+        self.url = f"http://127.0.0.1:{server.port}"
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            server.command, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **server.env}, start_new_session=True,
+        )  # fmt: skip
+
+    def wait_ready(self) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < READY_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.server.name} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + self.server.ready_path, timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.server.name} not ready after {READY_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+async def measure(url: str, scenario: Scenario, seed: int) -> Summary:
+    times = wl.arrivals(scenario.num_prompts, math.inf, 1.0, np.random.default_rng(seed))
+    specs = wl.synthetic(scenario.num_prompts, scenario.input_len, scenario.output_len, times, seed)
+    results, duration = await run_open_loop(
+        Target(url, MODEL), specs, lambda: None, scenario.concurrency
+    )
+    return summarize(results, duration)
+
+
+def run_server(
+    server: Server, scenarios: Sequence[Scenario], out: Path
+) -> dict[str, Figures | str]:
+    """Every scenario on one server (a short warm-up first); a failed start is reported
+    as the reason instead of figures."""
+    slug = "".join(c if c.isalnum() else "-" for c in server.name.lower()).strip("-")
+    running = Running(server, out / f"{slug}.log")
+    figures: dict[str, Figures | str] = {}
+    try:
+        started = running.wait_ready()
+        print(f"{server.name}: ready in {started:.0f} s", flush=True)
+        asyncio.run(measure(running.url, Scenario("warm-up", 64, 8, 2, 2), seed=99))
+        for i, sc in enumerate(scenarios):
+            summary = asyncio.run(measure(running.url, sc, seed=i))
+            figures[sc.name] = Figures.of(summary)
+            print(f"  {sc.name}: {figures[sc.name]}", flush=True)
+    except RuntimeError as exc:
+        figures = {sc.name: str(exc) for sc in scenarios}
+        print(f"{server.name}: {exc}", flush=True)
+    finally:
+        running.stop()
+    return figures
+
+
+def ratios(ours: Figures, peer: Figures) -> dict[str, float]:
+    """Baton's figure over the peer's: below 1 is better for TTFT and TPOT, above 1 for
+    throughput."""
+    return {
+        "ttft": ours.ttft_p50 / peer.ttft_p50,
+        "tpot": ours.tpot_p50 / peer.tpot_p50,
+        "throughput": ours.output_tok_s / peer.output_tok_s,
+    }
+
+
+def table(results: dict[str, dict[str, Figures | str]], baseline: str) -> str:
+    """Markdown: each server's figures per scenario and Baton's ratios to it."""
+    lines = [
+        "| scenario | server | TTFT p50 | TPOT p50 | output tok/s | Baton TTFT ÷ | "
+        "Baton TPOT ÷ | Baton tok/s ÷ |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    scenarios = list(dict.fromkeys(s for r in results.values() for s in r))
+    for sc in scenarios:
+        ours = results.get(baseline, {}).get(sc)
+        for name, per in results.items():
+            got = per.get(sc)
+            if not isinstance(got, Figures):
+                lines.append(f"| {sc} | {name} | {got or 'not run'} | | | | | |")
+                continue
+            row = (
+                f"| {sc} | {name} | {got.ttft_p50 * 1e3:.0f} ms | {got.tpot_p50 * 1e3:.1f} ms "
+                f"| {got.output_tok_s:.1f} |"
+            )
+            if name == baseline or not isinstance(ours, Figures):
+                row += " | | |"
+            else:
+                r = ratios(ours, got)
+                row += f" {r['ttft']:.2f}× | {r['tpot']:.2f}× | {r['throughput']:.2f}× |"
+            if got.failed:
+                row += f" ({got.failed} failed)"
+            lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baton-python", default=sys.executable, help="python with Baton installed")
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (else skipped)")
+    p.add_argument("--vllm-threads", type=int, default=2, help="cores vLLM binds")
+    p.add_argument("--vllm-model", type=Path, default=None, help="HF folder (default: Baton's)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (else skipped)")
+    p.add_argument(
+        "--gguf", action="append", default=[], metavar="QUANT=PATH", help="llama.cpp models"
+    )
+    p.add_argument("--llama-threads", type=int, nargs="+", default=[1])
+    p.add_argument(
+        "--scenarios", nargs="+", type=int, default=list(range(len(SCENARIOS))),
+        help=f"indexes into: {[s.name for s in SCENARIOS]}",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
+    return p.parse_args(argv)
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    out = [baton_server(args.baton_python)]
+    if args.vllm_python:
+        folder = args.vllm_model
+        if folder is None:
+            from shared.model.registry import resolve
+
+            folder = resolve(None, default_cache_dir(), progress=False).folder
+        out.append(vllm_server(args.vllm_python, folder, args.vllm_threads))
+    if args.llama_server:
+        for spec in args.gguf:
+            quant, _, path = spec.partition("=")
+            for threads in args.llama_threads:
+                out.append(llama_server(args.llama_server, quant, Path(path), threads))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    scenarios = [SCENARIOS[i] for i in args.scenarios]
+    results = {s.name: run_server(s, scenarios, args.out) for s in servers(args)}
+    baseline = next(iter(results))
+    body = {
+        name: {sc: asdict(f) if isinstance(f, Figures) else f for sc, f in per.items()}
+        for name, per in results.items()
+    }
+    (args.out / "peers.json").write_text(json.dumps(body, indent=1))
+    text = table(results, baseline)
+    (args.out / "peers.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""The peer benchmark's table: Baton's ratios to each peer, per scenario."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.peers import Figures, parse_args, ratios, servers, table
+
+
+def test_ratios_are_batons_figure_over_the_peers() -> None:
+    ours = Figures(ttft_p50=0.4, tpot_p50=0.02, output_tok_s=90.0, failed=0)
+    peer = Figures(ttft_p50=0.8, tpot_p50=0.04, output_tok_s=60.0, failed=0)
+    assert ratios(ours, peer) == pytest.approx({"ttft": 0.5, "tpot": 0.5, "throughput": 1.5})
+
+
+def test_table_lists_every_server_and_says_what_did_not_run() -> None:
+    ours = Figures(0.4, 0.02, 90.0, 0)
+    results: dict[str, dict[str, Figures | str]] = {
+        "Baton": {"512 in": ours},
+        "vLLM": {"512 in": Figures(0.8, 0.04, 60.0, 2)},
+        "llama.cpp": {"512 in": "llama.cpp exited with 1"},
+    }
+    text = table(results, "Baton")
+    assert "| 512 in | Baton | 400 ms | 20.0 ms | 90.0 | | | |" in text
+    assert "| 512 in | vLLM | 800 ms | 40.0 ms | 60.0 | 0.50× | 0.50× | 1.50× | (2 failed)" in text
+    assert "| 512 in | llama.cpp | llama.cpp exited with 1 |" in text
+
+
+def test_peers_left_out_are_skipped() -> None:
+    names = [s.name for s in servers(parse_args([]))]
+    assert names == ["Baton (baton up, defaults)"]
+    args = parse_args(
+        ["--llama-server", "/x/llama-server", "--gguf", "BF16=/m.gguf", "--llama-threads", "1", "2"]
+    )
+    assert [s.name for s in servers(args)][1:] == [
+        "llama.cpp BF16, 1 thread(s)",
+        "llama.cpp BF16, 2 thread(s)",
+    ]
