@@ -216,18 +216,14 @@ static void amx_configure(void) {
 }
 
 /* c[16][PANEL] = a[16][k_len] . panel, k in order (a's rows lda elements apart).
- * next: the panel to request from memory meanwhile, the same part per k step
- * (the first block of a panel; NULL for the others, which find it in L2). */
+ * No software prefetch: the tile loads walk each panel in address order, and
+ * prefetching the next panel measured slower for one row (decode). */
 static void amx_block(const uint16_t *a, int64_t lda, int64_t k_len, const uint16_t *panel,
-                      const uint16_t *next, float *c) {
+                      float *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     for (int64_t k = 0; k < k_len; k += AMX_K) {
-        if (next != NULL) {
-            const char *line = (const char *)(next + k * PANEL);
-            for (int l = 0; l < AMX_K * PANEL * 2 / 64; l++) _mm_prefetch(line + 64 * l, _MM_HINT_T0);
-        }
         _tile_loadd(3, a + k, lda * 2);
         const uint16_t *b = panel + k * PANEL; /* k / 2 pair rows of PANEL x 2 values */
         _tile_loadd(4, b, PANEL * 4);
@@ -271,12 +267,10 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
         amx_configure();
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {
             const uint16_t *panel = packed + p * k_len * PANEL;
-            const uint16_t *next = p + 1 < panels ? panel + k_len * PANEL : NULL;
             int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
             for (int64_t r = 0; r < m; r += AMX_ROWS) {
                 int64_t rows = m - r < AMX_ROWS ? m - r : AMX_ROWS;
-                amx_block(r < full ? x + r * k_len : rest, k_len, k_len, panel,
-                          r == 0 ? next : NULL, c);
+                amx_block(r < full ? x + r * k_len : rest, k_len, k_len, panel, c);
                 for (int64_t i = 0; i < rows; i++)
                     for (int64_t j = 0; j < cols; j++)
                         out[(r + i) * ldo + p * PANEL + j] = f32_to_bf16(c[i * PANEL + j]);
