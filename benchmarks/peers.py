@@ -175,7 +175,10 @@ def run_server(
         asyncio.run(measure(running.url, Scenario("warm-up", 64, 8, 2, 2), seed=99))
         for i, sc in enumerate(scenarios):
             summary = asyncio.run(measure(running.url, sc, seed=i))
-            figures[sc.name] = Figures.of(summary)
+            if summary.completed == 0:
+                figures[sc.name] = f"all {summary.failed} requests failed: {summary.errors}"
+            else:
+                figures[sc.name] = Figures.of(summary)
             print(f"  {sc.name}: {figures[sc.name]}", flush=True)
     except RuntimeError as exc:
         figures = {sc.name: str(exc) for sc in scenarios}
