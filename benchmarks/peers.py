@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -91,10 +92,10 @@ class Figures:
         return cls(s.ttft.median, s.tpot.median, s.output_throughput, s.failed)
 
 
-def baton_server(python: str) -> Server:
+def baton_server(python: str, label: str = "defaults", args: Sequence[str] = ()) -> Server:
     port = free_port()
     cmd = [python, "-m", "shared.cli", "up", "--port", str(port), "--redis-port", str(free_port())]
-    return Server("Baton (baton up, defaults)", cmd, port, "/ready")
+    return Server(f"Baton (baton up, {label})", [*cmd, *args], port, "/ready")
 
 
 def vllm_server(python: str, folder: Path, threads: int) -> Server:
@@ -246,12 +247,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--scenarios", nargs="+", type=int, default=list(range(len(SCENARIOS))),
         help=f"indexes into: {[s.name for s in SCENARIOS]}",
     )  # fmt: skip
+    p.add_argument(
+        "--baton-variant", action="append", default=[], metavar="LABEL=ARGS",
+        help="also run `baton up ARGS` (e.g. 'fixed threads=--max-threads 1')",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
     return p.parse_args(argv)
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
     out = [baton_server(args.baton_python)]
+    for spec in args.baton_variant:
+        label, _, extra = spec.partition("=")
+        out.append(baton_server(args.baton_python, label, shlex.split(extra)))
     if args.vllm_python:
         folder = args.vllm_model
         if folder is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -168,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"AMX) or GPU has it natively, else float32 ({from_settings('dtype')})",
     )
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    up.add_argument(
+        "--max-threads",
+        type=int,
+        default=None,
+        help="each worker grows to this many threads while the others leave cores idle "
+        "(default: the machine's CPUs; with --pin, or equal to --threads: fixed)",
+    )
     up.add_argument(
         "--kv-cache-gb",
         type=float,
@@ -344,6 +352,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.prefill, args.decode, args.kvstore = 0, 0, 0
     if not args.colocated:
         args.kvstore = max(args.kvstore, args.kv_replicas)
+    if args.max_threads is None and not args.pin:
+        args.max_threads = max(args.threads, len(os.sched_getaffinity(0)))
+    if args.max_threads is not None and args.max_threads < args.threads:
+        raise InvalidRequestError("--max-threads must be at least --threads")
     names = ("prefill", "decode", "kvstore", "threads", "kv_replicas")
     for name in ("threads",) if args.colocated else names:
         if getattr(args, name) < 1:
@@ -383,6 +395,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             model=args.model,
             dtype=args.dtype,
             threads=args.threads,
+            max_threads=args.max_threads,
             kv_cache_gb=args.kv_cache_gb,
             kvstore_gb=args.kvstore_gb,
             colocated=1 if args.colocated else 0,

@@ -104,6 +104,9 @@ class BatonSettings(BaseSettings):
     dtype: DTypeSetting = "auto"
     device: str = "cpu"
     num_threads: int | None = Field(default=None, ge=1)
+    # services: grow each step's threads up to this many while other processes leave
+    # cores idle, back to num_threads (or 1) when they need them (None: fixed)
+    max_threads: int | None = Field(default=None, ge=1)
     attention: AttentionBackend = "auto"
     linear: LinearBackend = "auto"
     pointwise: PointwiseBackend = "auto"

@@ -81,6 +81,7 @@ class Topology:
     model: str | None = None
     dtype: str | None = None
     threads: int | None = 1  # per prefill/decode process
+    max_threads: int | None = None  # elastic: up to this many while other cores are idle
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
@@ -142,6 +143,8 @@ def plan(topo: Topology) -> list[ServiceSpec]:
                 env["BATON_ENGINE_CPUS"] = topo.engine_cpus[role]
             if topo.threads:
                 env["BATON_NUM_THREADS"] = str(topo.threads)
+            if topo.max_threads:
+                env["BATON_MAX_THREADS"] = str(topo.max_threads)
             if topo.kv_cache_gb:
                 env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)
             specs.append(ServiceSpec(f"{role}-{i}", role, env, port))

@@ -268,6 +268,10 @@ class Engine:
         self.timings.pop(RequestId(request_id), None)
         return self.scheduler.finish(RequestId(request_id), FinishReason.ABORT) is not None
 
+    def set_num_threads(self, n: int) -> None:
+        """Threads the next steps compute on (the results do not depend on it)."""
+        torch.set_num_threads(n)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -10,7 +10,8 @@ publishes the engine's :class:`EngineSnapshot` (read :attr:`snapshot` from any
 thread) and hands the block keys its pool started or stopped holding to
 ``on_kv_events`` on the event loop. The thread sleeps while nothing is
 runnable, so an idle service costs no CPU; :meth:`wake` rouses it (a transfer
-that ended outside the engine).
+that ended outside the engine). With a :class:`ThreadGovernor` the thread count
+of each step follows the cores the rest of the machine leaves idle.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.snapshot import EngineSnapshot
@@ -64,6 +66,8 @@ class LoopStats:
     steps: int = 0
     busy_s: float = 0.0
     last_step_s: float = 0.0
+    threads: int = 0  # of the last step
+    thread_changes: int = 0
 
 
 class EngineLoop:
@@ -74,11 +78,13 @@ class EngineLoop:
         on_step: Callable[[float, int], None] | None = None,
         on_kv_events: Callable[[KVEvents], None] | None = None,
         cpus: frozenset[int] | None = None,
+        threads: ThreadGovernor | None = None,
     ):
         self.engine = engine
         self.cpus = cpus  # pin the engine thread (and the torch threads it starts) to these
         self.on_step = on_step  # (seconds, tokens computed), on the engine thread
         self.on_kv_events = on_kv_events  # on the event loop
+        self.threads = threads
         self.stats = LoopStats()
         self.snapshot: EngineSnapshot = engine.snapshot()
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -202,6 +208,12 @@ class EngineLoop:
 
     def _step_once(self) -> bool:
         """One engine step; False when nothing was runnable."""
+        if self.threads is not None:
+            n = self.threads.decide()
+            if n != self.stats.threads:
+                self.engine.set_num_threads(n)
+                self.stats.threads = n
+                self.stats.thread_changes = self.threads.changes
         t0 = time.perf_counter()
         outputs = self.engine.step()
         dt = time.perf_counter() - t0

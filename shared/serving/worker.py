@@ -29,6 +29,7 @@ from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
+from shared.engine.elastic_threads import ProcStatSource, ThreadGovernor
 from shared.engine.engine import Engine, RequestTimings
 from shared.engine.engine_loop import EngineLoop, Output, next_output
 from shared.engine.kv_cache_manager import KVEvents
@@ -243,6 +244,7 @@ class Worker:
             on_step=self._on_step,
             on_kv_events=self._on_kv_events,
             cpus=self.baton.engine_cpu_set(),
+            threads=self._thread_governor(),
         )
         self.metrics.bind(engine.loaded.name, self.instance_id)
         self.connector_metrics.bind(engine.loaded.name)
@@ -364,6 +366,16 @@ class Worker:
         await self.kv.transport.shutdown()
         await self.redis.aclose()
 
+    def _thread_governor(self) -> ThreadGovernor | None:
+        low, high = self.baton.num_threads or 1, self.baton.max_threads
+        if high is None or high <= low:
+            return None
+        if not ProcStatSource.available():
+            log.warning("%s: BATON_MAX_THREADS ignored: no /proc/stat here", self.role)
+            return None
+        log.info("%s: elastic threads %d..%d", self.role, low, high)
+        return ThreadGovernor(ProcStatSource(self.baton.engine_cpu_set()), low, high)
+
     def stats(self) -> dict[str, float]:
         s = self.loop.stats
         snap = self.loop.snapshot
@@ -371,6 +383,8 @@ class Worker:
             **self._load(),
             "steps": float(s.steps),
             "busy_s": s.busy_s,
+            "threads": float(s.threads or self.baton.num_threads or 0),
+            "thread_changes": float(s.thread_changes),
             "kv_blocks_total": float(snap.num_slots),
             "cached_blocks": float(snap.cached_blocks),
             "waiting": float(snap.waiting),

@@ -36,3 +36,13 @@ def test_peers_left_out_are_skipped() -> None:
         "llama.cpp BF16, 1 thread(s)",
         "llama.cpp BF16, 2 thread(s)",
     ]
+
+
+def test_baton_variants_run_after_the_defaults_with_their_arguments() -> None:
+    got = servers(parse_args(["--baton-variant", "fixed threads=--max-threads 1"]))
+    assert [s.name for s in got] == [
+        "Baton (baton up, defaults)",
+        "Baton (baton up, fixed threads)",
+    ]
+    assert got[1].command[-2:] == ["--max-threads", "1"]
+    assert "--max-threads" not in got[0].command

@@ -6,11 +6,14 @@ import asyncio
 import os
 
 import pytest
+import torch
 
+from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop, next_output
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
+from tests.shared.engine.fake_cpu import FakeCpuSource
 
 
 async def test_outputs_arrive_in_order_and_match_a_plain_engine(
@@ -71,3 +74,23 @@ async def test_engine_thread_can_be_pinned_apart_from_the_event_loop(
         await loop.stop()
     assert engine_side == {cpu}
     assert os.sched_getaffinity(0) == mine  # Linux affinity is per thread
+
+
+async def test_a_governor_sets_each_steps_threads(make_engine: EngineFactory) -> None:
+    """Steps run on the thread count the governor decides; the loop reports it."""
+    source = FakeCpuSource(cpus=2)  # nothing else busy: the governor grants 2
+    engine = make_engine()
+    loop = EngineLoop(engine, threads=ThreadGovernor(source, 1, 2, sleep=source.advance))
+    saved = torch.get_num_threads()
+    loop.start()
+    try:
+        q = loop.subscribe("r")
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        await loop.call(lambda e: e.add_request([1, 2, 3], params, request_id="r"))
+        while not (await asyncio.wait_for(next_output(q), 60)).finished:
+            pass
+        assert loop.stats.threads == 2
+        assert await loop.call(lambda e: torch.get_num_threads()) == 2
+    finally:
+        await loop.stop()
+        torch.set_num_threads(saved)
