@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-threads",
         type=int,
         default=None,
-        help="each worker grows to this many threads while the others leave cores idle "
-        "(default: the machine's CPUs; with --pin, or equal to --threads: fixed)",
+        help="prefill grows to this many threads while the other processes leave cores "
+        "idle (default: the machine's CPUs; with --pin, or equal to --threads: fixed)",
     )
     up.add_argument(
         "--kv-cache-gb",
@@ -193,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--colocated",
         action="store_true",
         help="the baseline: one engine serving both phases (mixed batching) behind the gateway",
+    )
+    up.add_argument(
+        "--preemption-mode",
+        choices=["auto", "swap", "recompute"],
+        default=None,
+        help="when a worker's KV pool is full: swap the preempted request's KV to host "
+        "memory or recompute it, by the cost model measured on this machine (auto), "
+        f"swap whenever there is room, or always recompute ({from_settings('preemption_mode')})",
+    )
+    up.add_argument(
+        "--swap-space-gb",
+        type=float,
+        default=None,
+        help=f"host memory per worker for swapped KV ({from_settings('swap_space_gb')})",
     )
     up.add_argument(
         "--pin",
@@ -382,6 +396,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     # one secret for the cluster's life (children restarted later get the same one)
     secret = settings.cluster_secret or generate_secret()
 
+    extra_env = {"BATON_CACHE_DIR": str(settings.cache_dir)}
+    if args.preemption_mode:
+        extra_env["BATON_PREEMPTION_MODE"] = args.preemption_mode
+    if args.swap_space_gb is not None:
+        if args.swap_space_gb < 0:
+            raise InvalidRequestError("--swap-space-gb must not be negative")
+        extra_env["BATON_SWAP_SPACE_GB"] = repr(args.swap_space_gb)
+
     def topology(redis_url: str) -> Topology:
         return Topology(
             redis_url=redis_url,
@@ -403,7 +425,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             engine_cpus=engine_cpus,
             prefix_caching=not args.no_prefix_cache,
             replication=args.kv_replicas,
-            extra_env={"BATON_CACHE_DIR": str(settings.cache_dir)},
+            extra_env=extra_env,
         )
 
     cluster = LocalCluster(topology, redis_port=args.redis_port, prefix_output=True)

@@ -81,7 +81,9 @@ class Topology:
     model: str | None = None
     dtype: str | None = None
     threads: int | None = 1  # per prefill/decode process
-    max_threads: int | None = None  # elastic: up to this many while other cores are idle
+    # prefill grows up to this many threads while other cores are idle (decode stays at
+    # `threads`: its short steps lost more to sharing cores than they gained)
+    max_threads: int | None = None
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
@@ -143,7 +145,7 @@ def plan(topo: Topology) -> list[ServiceSpec]:
                 env["BATON_ENGINE_CPUS"] = topo.engine_cpus[role]
             if topo.threads:
                 env["BATON_NUM_THREADS"] = str(topo.threads)
-            if topo.max_threads:
+            if topo.max_threads and role == "prefill":
                 env["BATON_MAX_THREADS"] = str(topo.max_threads)
             if topo.kv_cache_gb:
                 env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)

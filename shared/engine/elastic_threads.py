@@ -7,7 +7,7 @@ while the tokens are. A fixed thread count leaves that core unused. Before each
 step the engine thread asks a :class:`ThreadGovernor` how many threads to run
 the step on: the CPUs this process may use, less what other processes kept
 busy over the last steps (``/proc/stat`` minus this process's own CPU time; after
-an idle spell, the threads others have running at that moment), within
+an idle spell, the threads of other processes running at that moment), within
 ``[min_threads, max_threads]``. When the other role gets busy again its
 load shows in the next sample and the count shrinks back.
 
@@ -130,6 +130,10 @@ class ProcStatSource:
         self._names = {f"cpu{c}" for c in self._allowed}
         self._tick = os.sysconf("SC_CLK_TCK")
 
+    @staticmethod
+    def available() -> bool:
+        return os.path.exists("/proc/stat") and hasattr(os, "sched_getaffinity")
+
     @property
     def cpus(self) -> int:
         return len(self._allowed)
@@ -148,12 +152,24 @@ class ProcStatSource:
         return CpuSample(time.monotonic(), busy / self._tick, time.process_time())
 
     def running_others(self) -> int:
+        running = 0
         with open(self.path, encoding="ascii") as f:
             for line in f:
                 if line.startswith("procs_running "):
-                    return max(0, int(line.split()[1]) - 1)  # less the thread reading
-        return 0
+                    running = int(line.split()[1])
+                    break
+        return max(0, running - _own_running_threads())
 
-    @staticmethod
-    def available() -> bool:
-        return os.path.exists("/proc/stat") and hasattr(os, "sched_getaffinity")
+
+def _own_running_threads() -> int:
+    """This process's threads that are running or runnable (the reading one included)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R":
+            n += 1
+    return n

@@ -37,6 +37,12 @@
 
 #define PANEL 48   /* output columns per packed panel: three 16-float vectors */
 #define ROW_TILE 8 /* activation rows per register tile (24 accumulators) */
+/* From this many rows a panel is long work, and panels are handed out one at a time
+ * as threads come free (an engine thread that shares its core with other work then
+ * delays the call by one panel, not by half of them); below it a thread takes a fixed
+ * run of panels, so the panel it prefetches is the one it computes next. Which thread
+ * computes a panel never changes its result. */
+#define SHARED_ROWS 64
 
 int baton_gemm_panel(void) { return PANEL; }
 
@@ -121,22 +127,33 @@ static int prefetch_per_k(int64_t m) {
                                                                                             \
     /* Returns 0, or 1 for arguments it does not handle. x is [m, k_len]          \
      * contiguous, out is [m, n] with rows ldo elements apart. */                          \
+    static void NAME##_panel(int64_t p, int64_t panels, int per_k, const T *x, int64_t m,   \
+                             int64_t k_len, const T *packed, int64_t n, T *out,             \
+                             int64_t ldo) {                                                 \
+        const T *panel = packed + p * k_len * PANEL;                                        \
+        const char *next = (const char *)(panel + k_len * PANEL);                           \
+        Prefetch pf = {next, p + 1 < panels ? next + k_len * PANEL * sizeof(T) : next};     \
+        int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;                       \
+        for (int64_t r = 0; r < m; r += ROW_TILE) {                                         \
+            int rows = m - r < ROW_TILE ? (int)(m - r) : ROW_TILE;                          \
+            NAME##_any_tile(rows, per_k, x + r * k_len, k_len, panel,                      \
+                            out + r * ldo + p * PANEL, ldo, cols, &pf);                     \
+        }                                                                                   \
+    }                                                                                       \
+                                                                                            \
     int NAME(const T *x, int64_t m, int64_t k_len, const T *packed, int64_t n, T *out,      \
              int64_t ldo, int threads) {                                                    \
         if (m < 0 || k_len <= 0 || k_len % PAIR || n <= 0 || ldo < n) return 1;             \
         int64_t panels = (n + PANEL - 1) / PANEL;                                           \
         int per_k = prefetch_per_k(m);                                                      \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
-        for (int64_t p = 0; p < panels; p++) {                                              \
-            const T *panel = packed + p * k_len * PANEL;                                    \
-            const char *next = (const char *)(panel + k_len * PANEL);                       \
-            Prefetch pf = {next, p + 1 < panels ? next + k_len * PANEL * sizeof(T) : next}; \
-            int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;                   \
-            for (int64_t r = 0; r < m; r += ROW_TILE) {                                     \
-                int rows = m - r < ROW_TILE ? (int)(m - r) : ROW_TILE;                      \
-                NAME##_any_tile(rows, per_k, x + r * k_len, k_len, panel,                  \
-                                out + r * ldo + p * PANEL, ldo, cols, &pf);                 \
-            }                                                                               \
+        if (m >= SHARED_ROWS) {                                                             \
+            _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")           \
+            for (int64_t p = 0; p < panels; p++)                                            \
+                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo);           \
+        } else {                                                                            \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")               \
+            for (int64_t p = 0; p < panels; p++)                                            \
+                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo);           \
         }                                                                                   \
         return 0;                                                                           \
     }
@@ -265,7 +282,7 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
     _Pragma("omp parallel num_threads(threads)") {
         float c[AMX_ROWS * PANEL];
         amx_configure();
-        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < panels; p++) {
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t p = 0; p < panels; p++) {
             const uint16_t *panel = packed + p * k_len * PANEL;
             int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
             for (int64_t r = 0; r < m; r += AMX_ROWS) {

@@ -112,6 +112,14 @@ def test_plan_pins_the_decode_engine_thread_apart_from_its_io() -> None:
     assert env["prefill"]["BATON_CPUS"] == "0" and "BATON_ENGINE_CPUS" not in env["prefill"]
 
 
+def test_only_prefill_gets_elastic_threads() -> None:
+    topo = Topology(redis_url="redis://r:1/0", threads=1, max_threads=2)
+    env = {s.role: s.env for s in plan(topo)}
+    assert env["prefill"]["BATON_NUM_THREADS"] == "1"
+    assert env["prefill"]["BATON_MAX_THREADS"] == "2"
+    assert env["decode"]["BATON_NUM_THREADS"] == "1" and "BATON_MAX_THREADS" not in env["decode"]
+
+
 def test_no_prefix_cache_reaches_every_service() -> None:
     """``baton up --no-prefix-cache``: no worker reuses KV and the gateway routes without
     the prompt index (the baseline caching is measured against)."""
