@@ -38,6 +38,9 @@ GRACEFUL_SHUTDOWN_S = 5
 DRAIN_LIMIT_S = 120.0  # past every drain timeout: a stuck drain never keeps a process up
 
 
+KEEP_ALIVE_S = 75
+
+
 class _DrainingServer(uvicorn.Server):
     """On SIGTERM the component drains first (new requests refused, running ones
     finished or handed over), then the server shuts down as usual; a second signal,
@@ -232,6 +235,9 @@ def run_service(
         access_log=False,
         log_config=None,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,  # after a drain: streams left are cut
+        # longer than any client keeps an idle connection (httpx: 5 s), so a client never
+        # reuses a connection the server is closing at that moment
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     logging.getLogger("uvicorn.error").addFilter(_ReportedStartupFailure(app))
     server = _DrainingServer(config, app)

@@ -119,8 +119,10 @@ class Handoff:
         that refuses the connection or is draining is benched and another tried (nothing
         was sent to the client yet); :meth:`Router.pick` raises 503 once none is left."""
         tried: set[str] = set(exclude or ())
+        dropped: set[str] = set()  # instances that dropped a reused connection once
         for attempt in range(self.attempts):
             pick = self.router.pick(role, cost, tried, hits)
+            instance = pick.member.instance_id
             try:
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
             except (httpx.TransportError, ServiceError) as exc:
@@ -128,9 +130,15 @@ class Handoff:
                 unreachable = isinstance(exc, httpx.TransportError)
                 if not unreachable and getattr(exc, "code", None) != DRAINING:
                     raise
+                if _dropped_connection(exc) and instance not in dropped:
+                    # a kept-alive connection the instance closed as it was reused: the
+                    # instance is fine, try it again on a fresh connection
+                    dropped.add(instance)
+                    log.info("%s %s dropped a kept-alive connection (%r)", role, instance, exc)
+                    continue
                 self.router.bench(pick.member)
-                tried.add(pick.member.instance_id)
-                log.warning("%s %s refused the request (%s)", role, pick.member.instance_id, exc)
+                tried.add(instance)
+                log.warning("%s %s refused the request (%r)", role, instance, exc)
                 if attempt + 1 < self.attempts:
                     continue
                 raise ServiceError(
@@ -363,3 +371,10 @@ class Handoff:
                 await prefill.next()
         finally:
             await prefill.aclose()
+
+
+def _dropped_connection(exc: BaseException) -> bool:
+    """The connection broke after it was made (not refused, not timed out connecting)."""
+    return isinstance(exc, httpx.TransportError) and not isinstance(
+        exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.TimeoutException)
+    )
