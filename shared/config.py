@@ -36,6 +36,10 @@ DEFAULT_BLOCK_SIZE = 16
 # that in bf16): a whole 8,192-token context plus headroom, on a laptop. Raise it
 # (BATON_KV_CACHE_GB, `baton up --kv-cache-gb`) for many long requests at once.
 DEFAULT_KV_CACHE_GB = 0.5
+DEFAULT_SWAP_SPACE_GB = 1.0
+# preemption: swap or recompute by the measured cost model (auto), swap whenever host
+# space allows, or always recompute
+PreemptionSetting = Literal["auto", "swap", "recompute"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class CacheConfig:
     # (0.2-0.5 GB/s on this VM), which would otherwise stall a step or a transfer
     prefault: bool = False
     huge_pages: HugePages = "auto"
+    # host memory preempted requests' KV is swapped to (0: none, preemption recomputes);
+    # untouched until used
+    swap_space_bytes: int = int(DEFAULT_SWAP_SPACE_GB * (1 << 30))
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # cap on one request's prompt chunk per step (0: none, the budget is the cap)
     long_prefill_token_threshold: int = 0
+    preemption_mode: PreemptionSetting = "auto"
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,8 @@ class BatonSettings(BaseSettings):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(default=0, ge=0)
+    preemption_mode: PreemptionSetting = "auto"
+    swap_space_gb: float = Field(default=DEFAULT_SWAP_SPACE_GB, ge=0)
     prefault_kv: bool = True  # services; `baton generate` (one shot) skips it
     kv_huge_pages: HugePages = "auto"
     # services: CPUs for the engine thread alone (BATON_CPUS pins the whole process), so
@@ -174,11 +184,13 @@ class BatonSettings(BaseSettings):
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefault=self.prefault_kv,
                 huge_pages=self.kv_huge_pages,
+                swap_space_bytes=int(self.swap_space_gb * (1 << 30)),
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                preemption_mode=self.preemption_mode,
             ),
         )

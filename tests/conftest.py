@@ -13,6 +13,7 @@ from shared.config import (
     AttentionBackend,
     CacheConfig,
     EngineConfig,
+    PreemptionSetting,
     SchedulerConfig,
     default_cache_dir,
 )
@@ -51,17 +52,22 @@ def make_engine(loaded_fp32: LoadedModel) -> EngineFactory:
         attention: AttentionBackend = "auto",
         long_prefill_token_threshold: int = 0,
         connector: KVConnector | None = None,
+        preemption_mode: PreemptionSetting = "auto",
+        swap_space_bytes: int = 256 << 20,
     ) -> Engine:
         config = EngineConfig(
             attention=attention,
             cache=CacheConfig(
-                kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching
+                kv_cache_bytes=kv_cache_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+                swap_space_bytes=swap_space_bytes,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=enable_chunked_prefill,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+                preemption_mode=preemption_mode,
             ),
         )
         return Engine(loaded_fp32, replace(config, dtype="float32"), connector)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from shared.config import EngineConfig, default_cache_dir
 from shared.engine.detokenizer import IncrementalDetokenizer
+from shared.engine.host_swap import HostSwapSpace
 from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
 from shared.engine.kv_connector import KVConnector
 from shared.engine.model_runner import ModelRunner
@@ -35,6 +36,7 @@ from shared.engine.request import (
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerOutput
 from shared.engine.snapshot import EngineSnapshot
+from shared.engine.swap import SwapCostModel, Swapper, SwapStats
 from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockHasher
 from shared.kv.kv_cache import KVCache
@@ -124,12 +126,14 @@ class Engine:
         if connector is not None:
             connector.bind(self.kv_cache)
         self.max_model_len = arch.max_position_embeddings
+        self.swap_space, swapper = self._swap(config)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
             connector=connector,
+            swapper=swapper,
         )
         attention = select_attention(
             config.attention, loaded.model.dtype, arch.head_dim, config.device, config.kernel_dir
@@ -140,6 +144,14 @@ class Engine:
         self._next_id = 0
         self._steps = 0
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was runnable)
+
+    def _swap(self, config: EngineConfig) -> tuple[HostSwapSpace | None, Swapper | None]:
+        blocks = config.cache.swap_space_bytes // self.layout.block_bytes
+        if config.scheduler.preemption_mode == "recompute" or blocks < 1:
+            return None, None
+        space = HostSwapSpace(self.kv_cache, blocks)
+        always = config.scheduler.preemption_mode == "swap"
+        return space, Swapper(blocks, self.layout.block_bytes, SwapCostModel(), always=always)
 
     @classmethod
     def from_config(
@@ -280,8 +292,21 @@ class Engine:
         if self.connector is not None:
             self.scheduler.on_connector_events(self.connector.poll())
         scheduled = self.scheduler.schedule()
+        self._swap_blocks(scheduled)
+        t0 = time.perf_counter()
         sampled, failed = self._execute(scheduled)
+        if self.scheduler.swapper is not None:
+            tokens = scheduled.num_batched_tokens
+            self.scheduler.swapper.cost.observe_compute(tokens, time.perf_counter() - t0)
         return self._outputs(self.scheduler.update(scheduled, sampled, failed))
+
+    def _swap_blocks(self, scheduled: SchedulerOutput) -> None:
+        """Preempted requests' blocks out to host memory, resumed ones' back in."""
+        swapper, space = self.scheduler.swapper, self.swap_space
+        if not scheduled.swaps or swapper is None or space is None:
+            return
+        timing = space.run(scheduled.swaps)
+        swapper.cost.observe_copy(timing.nbytes, timing.seconds)
 
     def _execute(
         self, scheduled: SchedulerOutput
@@ -328,6 +353,7 @@ class Engine:
             num_slots=kv.num_slots,
             cached_blocks=kv.num_cached,
             requests=frozenset(s.requests),
+            swap=replace(s.swapper.stats) if s.swapper is not None else SwapStats(),
         )
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:

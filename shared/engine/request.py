@@ -11,6 +11,7 @@ from shared.kv.block_hash import BlockKey
 
 if TYPE_CHECKING:
     from shared.engine.kv_cache_manager import Slot
+    from shared.engine.swap import SwappedOut
 
 RequestId = NewType("RequestId", str)
 
@@ -82,6 +83,8 @@ class Request:
     slots: list[Slot] = field(default_factory=list)
     num_cached_blocks: int = 0
     finish_reason: FinishReason | None = None
+    # preempted with its KV in host memory (shared.engine.swap); None otherwise
+    swapped: SwappedOut | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

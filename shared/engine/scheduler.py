@@ -19,8 +19,11 @@ computes whatever is left. A load that fails sends the request back to
 recompute: a stale cache costs time, never tokens.
 
 When a running request needs a slot and none is free, the latest-arrived
-running request is preempted: its slots go back (still findable by key, so
-resuming usually re-hits them) and it waits at the front of the queue.
+running request is preempted and waits at the front of the queue. With a
+:class:`~shared.engine.swap.Swapper` its blocks are copied to host memory when
+the cost model finds that cheaper than recomputing them, and copied back when it
+resumes; otherwise its slots go back (still findable by key, so resuming may
+re-hit them) and it recomputes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.config import SchedulerConfig
 from shared.engine.kv_cache_manager import KVCacheManager, Slot, cdiv
@@ -41,6 +44,7 @@ from shared.engine.request import (
     RequestStatus,
     SampledToken,
 )
+from shared.engine.swap import BlockCopy, NoSwap, Swapper, SwapPlan
 from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockKey
 
@@ -60,6 +64,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[RequestId, ...]
+    swaps: SwapPlan = field(default_factory=SwapPlan)  # run before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -79,8 +84,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         connector: KVConnector | None = None,
+        swapper: Swapper | None = None,
     ):
         self.config = config
+        self.swapper = swapper
         self.kv = kv
         self.connector = connector
         self.block_size = kv.block_size
@@ -93,6 +100,8 @@ class Scheduler:
         self.releasing: dict[RequestId, Request] = {}  # finished; the connector holds slots
         self.requests: dict[RequestId, Request] = {}
         self._load_target: dict[RequestId, int] = {}
+        self._copy_out: list[BlockCopy] = []
+        self._copy_in: list[BlockCopy] = []
 
     # -- admission -------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -159,14 +168,18 @@ class Scheduler:
             idx += 1
         if not preempted:
             self._admit(budget, scheduled)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        swaps = SwapPlan(tuple(self._copy_out), tuple(self._copy_in))
+        self._copy_out.clear()
+        self._copy_in.clear()
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), swaps)
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         computing = self._blocks_being_computed()
         deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not req.slots and self._shares_a_prefix_being_computed(req, computing):
+            fresh = not req.slots and req.swapped is None
+            if fresh and self._shares_a_prefix_being_computed(req, computing):
                 deferred.append(self.waiting.popleft())
                 continue
             # holding slots: its KV was loaded asynchronously, compute the rest
@@ -207,6 +220,8 @@ class Scheduler:
     def _start(self, req: Request, budget: int) -> int | None:
         """Admit a request holding no slots; returns the tokens it computes this step (0:
         none, it left the queue to load or wait), or None when it must wait in the queue."""
+        if req.swapped is not None:
+            return self._swap_in(req, budget)
         bs = self.block_size
         # always leave >= 1 token to compute: its logits give the next token
         hits = self.kv.local_hit(req, (req.num_tokens - 1) // bs)
@@ -290,11 +305,46 @@ class Scheduler:
         return remaining if budget is None else min(remaining, budget)
 
     def _preempt(self, req: Request) -> RequestId:
+        if not self._swap_out(req):
+            req.num_computed_tokens = 0
         self.kv.free(req)
-        req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         return req.request_id
+
+    def _swap_out(self, req: Request) -> bool:
+        """Copy the request's computed blocks to host memory if that is cheaper than
+        recomputing them and there is room; False: it recomputes."""
+        n = req.num_computed_tokens
+        if self.swapper is None or n == 0:
+            return False
+        try:
+            swapped, copies = self.swapper.swap_out(req.slots[: cdiv(n, self.block_size)], n)
+        except NoSwap:
+            return False
+        req.swapped = swapped
+        self._copy_out.extend(copies)
+        return True
+
+    def _swap_in(self, req: Request, budget: int) -> int | None:
+        """Resume a swapped-out request: fresh slots, its blocks copied back, then compute
+        what it had not (at least its last token, whose logits give the next one)."""
+        swapped = req.swapped
+        if swapped is None or self.swapper is None:
+            raise RuntimeError(f"{req.request_id} has nothing swapped out")
+        if budget <= 0:
+            return None
+        computed = min(swapped.num_tokens, req.num_tokens - 1)
+        num_new = min(self._chunk(req.num_tokens - computed, None), budget)
+        if not self.kv.can_admit([], computed + num_new):
+            return None
+        self._take(req, [], computed + num_new, req.cache_hit)
+        self._copy_in.extend(self.swapper.swap_in(swapped, req.slots[: len(swapped.host_blocks)]))
+        req.swapped = None
+        req.num_computed_tokens = computed
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return num_new
 
     # -- results -------------------------------------------------------------
     def update(
@@ -388,6 +438,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.swapped is not None and self.swapper is not None:
+            self.swapper.discard(req.swapped)
+            req.swapped = None
         self.loading.pop(request_id, None)
         self.parked.pop(request_id, None)
         self._load_target.pop(request_id, None)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.request import RequestId
+from shared.engine.swap import SwapStats
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class EngineSnapshot:
     num_slots: int = 1
     cached_blocks: int = 0  # blocks findable by key in the local pool
     requests: frozenset[RequestId] = frozenset()
+    swap: SwapStats = field(default_factory=SwapStats)  # a copy: preemptions so far
 
     @property
     def usage(self) -> float:

@@ -60,7 +60,7 @@ def _anonymous(nbytes: int, huge_pages: HugePages) -> mmap.mmap:
     return mapping
 
 
-def _zeros(
+def anonymous_zeros(
     shape: tuple[int, ...], dtype: torch.dtype, device: str, huge_pages: HugePages
 ) -> torch.Tensor:
     if device != "cpu":
@@ -91,7 +91,7 @@ class KVCache:
             raise ValueError("the KV cache needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.pool = _zeros(
+        self.pool = anonymous_zeros(
             (num_blocks, *layout.block_shape), layout.torch_dtype, device, huge_pages
         )
 

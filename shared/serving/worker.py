@@ -35,6 +35,7 @@ from shared.engine.engine_loop import EngineLoop, Output, next_output
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.request import CacheHit, TokenLogprobs
 from shared.engine.snapshot import EngineSnapshot
+from shared.engine.swap import SwapStats
 from shared.hardware import auto_dtype
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.connector import KVStoreConnector
@@ -96,6 +97,26 @@ class WorkerMetrics:
         self.step_tokens = Counter(
             "baton_engine_step_tokens", "Tokens computed by engine steps", registry=r
         )
+        self.swaps = Counter(
+            "baton_kv_swaps",
+            "Preempted requests whose KV was swapped to host memory (out) or back (in)",
+            ["direction"],
+            registry=r,
+        )
+        self.swap_bytes = Counter(
+            "baton_kv_swap_bytes", "KV bytes swapped, by direction", ["direction"], registry=r
+        )
+        self.recompute_preemptions = Counter(
+            "baton_preemption_recomputes",
+            "Preempted requests that recompute instead of swapping: recomputing measured "
+            "cheaper (cost) or the host swap space was full (no_room)",
+            ["reason"],
+            registry=r,
+        )
+        self._swap_seen = SwapStats()
+        self.threads = Gauge(
+            "baton_engine_threads", "Threads the last engine step ran on", registry=r
+        )
         self.info = Gauge(
             "baton_instance_info",
             "This instance (always 1): join on it to split series by role",
@@ -148,6 +169,18 @@ class WorkerMetrics:
         self.vllm_running.labels(m).set(snap.running)
         self.vllm_waiting.labels(m).set(snap.waiting + snap.loading + snap.parked)
         self.vllm_kv_usage.labels(m).set(snap.usage)
+        self._observe_swaps(snap.swap)
+
+    def _observe_swaps(self, now: SwapStats) -> None:
+        seen, self._swap_seen = self._swap_seen, now
+        self.swaps.labels("out").inc(now.swaps_out - seen.swaps_out)
+        self.swaps.labels("in").inc(now.swaps_in - seen.swaps_in)
+        self.swap_bytes.labels("out").inc(now.bytes_out - seen.bytes_out)
+        self.swap_bytes.labels("in").inc(now.bytes_in - seen.bytes_in)
+        self.recompute_preemptions.labels("cost").inc(now.recomputes - seen.recomputes)
+        self.recompute_preemptions.labels("no_room").inc(
+            now.recomputes_no_room - seen.recomputes_no_room
+        )
 
     def observe_prompt_phases(self, queue_s: float, prefill_s: float) -> None:
         """A prompt computed here: arrival to its first step, first step to first token."""
@@ -300,6 +333,7 @@ class Worker:
     def refresh_gauges(self) -> None:
         if self._loop is not None:
             self.metrics.observe_engine(self._loop.snapshot, len(self.in_flight))
+            self.metrics.threads.set(self._loop.stats.threads or self.baton.num_threads or 0)
 
     def _load(self) -> dict[str, float]:
         snap = self.loop.snapshot
@@ -385,6 +419,9 @@ class Worker:
             "busy_s": s.busy_s,
             "threads": float(s.threads or self.baton.num_threads or 0),
             "thread_changes": float(s.thread_changes),
+            "swaps_out": float(snap.swap.swaps_out),
+            "swaps_in": float(snap.swap.swaps_in),
+            "preemption_recomputes": float(snap.swap.recomputes + snap.swap.recomputes_no_room),
             "kv_blocks_total": float(snap.num_slots),
             "cached_blocks": float(snap.cached_blocks),
             "waiting": float(snap.waiting),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.config import EngineConfig, LinearBackend
+from shared.config import EngineConfig, LinearBackend, PreemptionSetting
 from shared.engine.engine import Completion, Engine
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
@@ -230,6 +230,36 @@ def test_preemption_under_kv_pressure_keeps_outputs(
     assert tight.kv.num_slots == 20
     out = tight.generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+    assert tight.kv.num_free == tight.kv.num_slots
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_swapping_or_recomputing_under_kv_pressure_keeps_outputs(
+    make_engine: EngineFactory, loaded_fp32: LoadedModel, mode: PreemptionSetting
+) -> None:
+    """Preempted requests whose KV went to host memory and came back, or was recomputed,
+    continue with exactly the tokens (greedy and seeded) and logprobs of an unpressed
+    run."""
+    prompts = _prompts(loaded_fp32)
+    params = [
+        SamplingParams(
+            max_tokens=40, temperature=0.8 if i % 2 else 0, seed=i, ignore_eos=True, logprobs=1
+        )
+        for i in range(len(prompts))
+    ]
+    reference = make_engine().generate(prompts, params)
+    tight = make_engine(kv_cache_bytes=20 * 46_080 * 16, preemption_mode=mode)
+    out = tight.generate(prompts, params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+    for o, r in zip(out, reference, strict=True):
+        assert [lp.logprob for lp in o.logprobs] == [lp.logprob for lp in r.logprobs]
+    stats = tight.snapshot().swap
+    if mode == "swap":
+        assert stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out
+        assert tight.scheduler.swapper is not None
+        assert tight.scheduler.swapper.num_free == tight.scheduler.swapper.num_host_blocks
+    else:
+        assert tight.scheduler.swapper is None and stats.swaps_out == 0
     assert tight.kv.num_free == tight.kv.num_slots
 
 

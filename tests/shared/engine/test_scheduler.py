@@ -12,6 +12,7 @@ from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import FinishReason, Request, RequestId, RequestStatus, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.swap import SwapCostModel, Swapper
 from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockHasher
 from tests.shared.engine.fake_connector import FakeConnector
@@ -28,6 +29,7 @@ def make(
     chunked: bool = True,
     chunk_cap: int = 0,
     connector: FakeConnector | None = None,
+    swapper: Swapper | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -40,6 +42,7 @@ def make(
         max_model_len=256,
         eos_token_ids=(EOS,),
         connector=connector,
+        swapper=swapper,
     )
 
 
@@ -190,6 +193,72 @@ def test_preemption_frees_the_latest_request_and_resumes_it() -> None:
     assert a.is_finished and b.is_finished
     assert len(a.output_token_ids) == 12 and len(b.output_token_ids) == 12
     assert s.kv.num_free == 5
+
+
+def test_a_swapped_out_request_resumes_where_it_was() -> None:
+    """The victim's computed blocks are copied out in the step that preempts it and back
+    in (the same host blocks, into fresh slots) in the step that resumes it, which then
+    computes one token, not its whole context."""
+    swapper = Swapper(num_host_blocks=8, block_bytes=100, cost=SwapCostModel(), always=True)
+    s = make(num_blocks=5, budget=64, swapper=swapper)
+    a = req(8, max_tokens=12)
+    b = req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    out = run_step(s)
+    while not out.preempted:
+        out = run_step(s)
+    assert out.preempted == (b.request_id,)
+    assert b.swapped is not None and b.status is RequestStatus.PREEMPTED
+    computed = b.num_computed_tokens
+    assert computed == b.num_tokens - 1 and not b.slots
+    assert len(out.swaps.copy_out) == len(b.swapped.host_blocks) == -(-computed // 4)
+    assert not out.swaps.copy_in
+    hosts = b.swapped.host_blocks
+    while not out.swaps.copy_in:
+        out = run_step(s)
+    assert [c.host for c in out.swaps.copy_in] == list(hosts)
+    assert [c.slot for c in out.swaps.copy_in] == b.slots[: len(hosts)]
+    assert b.num_computed_tokens == computed + 1
+    assert [x.num_new_tokens for x in out.scheduled if x.request is b] == [1]
+    assert b.swapped is None and swapper.num_free == 8
+    while s.has_unfinished():
+        run_step(s)
+    assert len(b.output_token_ids) == 12 and a.is_finished
+    assert (swapper.stats.swaps_out, swapper.stats.swaps_in) == (1, 1)
+    assert_idle(s)
+
+
+def test_aborting_a_swapped_out_request_frees_its_host_blocks() -> None:
+    swapper = Swapper(num_host_blocks=8, block_bytes=100, cost=SwapCostModel(), always=True)
+    s = make(num_blocks=5, budget=64, swapper=swapper)
+    a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    while b.swapped is None:
+        run_step(s)
+    assert swapper.num_free < 8
+    s.finish(b.request_id, FinishReason.ABORT)
+    assert swapper.num_free == 8 and b.swapped is None
+    while s.has_unfinished():
+        run_step(s)
+    assert_idle(s)
+
+
+def test_without_room_in_host_memory_preemption_recomputes() -> None:
+    swapper = Swapper(num_host_blocks=1, block_bytes=100, cost=SwapCostModel(), always=True)
+    s = make(num_blocks=5, budget=64, swapper=swapper)
+    a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    preempted: list[RequestId] = []
+    while s.has_unfinished():
+        preempted += run_step(s).preempted
+    assert preempted and swapper.stats.swaps_out == 0
+    assert swapper.stats.recomputes_no_room == len(preempted)
+    assert len(b.output_token_ids) == 12
+    assert_idle(s)
 
 
 def test_abort_anywhere_frees_blocks() -> None:

@@ -1,0 +1,50 @@
+"""Host memory that preempted requests' KV blocks are swapped to (see shared.engine.swap).
+
+Blocks have the pool's layout, one contiguous ``block_shape`` tensor each, so a
+swap is one copy per block. On a CPU engine the space is an anonymous mapping
+like the pool's (it costs nothing until a block is first written); beside a GPU
+pool it is pinned host memory, so the copies run at DMA speed. Ownership: the
+engine's, which calls :meth:`HostSwapSpace.run` on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.swap import SwapPlan
+from shared.kv.kv_cache import KVCache, anonymous_zeros
+
+
+@dataclass(frozen=True)
+class CopyTiming:
+    nbytes: int
+    seconds: float
+
+
+class HostSwapSpace:
+    def __init__(self, pool: KVCache, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("a swap space needs at least one block")
+        self.pool = pool
+        self.num_blocks = num_blocks
+        shape = (num_blocks, *pool.layout.block_shape)
+        dtype = pool.layout.torch_dtype
+        if pool.pool.device.type == "cpu":
+            self.blocks = anonymous_zeros(shape, dtype, "cpu", "off")
+        else:
+            self.blocks = torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def run(self, plan: SwapPlan) -> CopyTiming:
+        """Run a step's copies (before its forward); returns what they moved and took."""
+        t0 = time.perf_counter()
+        for c in plan.copy_out:
+            self.blocks[c.host].copy_(self.pool.pool[c.slot], non_blocking=True)
+        for c in plan.copy_in:
+            self.pool.pool[c.slot].copy_(self.blocks[c.host], non_blocking=True)
+        if self.pool.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.pool.device)
+        n = len(plan.copy_out) + len(plan.copy_in)
+        return CopyTiming(n * self.pool.layout.block_bytes, time.perf_counter() - t0)
