@@ -103,7 +103,7 @@ def run_mode(
     s = summarize(results, duration, slo)
     outcome = Outcome(
         mode, s.goodput or 0.0, s.ttft.median, s.tpot.median, s.output_throughput, s.failed,
-        {k: stats.get(k, 0.0) for k in ("swaps_out", "swaps_in", "preemption_recomputes")},
+        {k: stats.get(k, 0.0) for k in ("preemptions", "swaps_out", "swaps_in")},
     )  # fmt: skip
     print(outcome, flush=True)
     return outcome, tokens

@@ -353,6 +353,7 @@ class Engine:
             num_slots=kv.num_slots,
             cached_blocks=kv.num_cached,
             requests=frozenset(s.requests),
+            preemptions=s.num_preemptions,
             swap=replace(s.swapper.stats) if s.swapper is not None else SwapStats(),
         )
 

@@ -101,6 +101,7 @@ class Scheduler:
         self.requests: dict[RequestId, Request] = {}
         self._load_target: dict[RequestId, int] = {}
         self._copy_out: list[BlockCopy] = []
+        self.num_preemptions = 0  # swapped or recomputed
         self._copy_in: list[BlockCopy] = []
 
     # -- admission -------------------------------------------------------
@@ -305,6 +306,7 @@ class Scheduler:
         return remaining if budget is None else min(remaining, budget)
 
     def _preempt(self, req: Request) -> RequestId:
+        self.num_preemptions += 1
         if not self._swap_out(req):
             req.num_computed_tokens = 0
         self.kv.free(req)

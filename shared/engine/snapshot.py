@@ -20,7 +20,8 @@ class EngineSnapshot:
     num_slots: int = 1
     cached_blocks: int = 0  # blocks findable by key in the local pool
     requests: frozenset[RequestId] = frozenset()
-    swap: SwapStats = field(default_factory=SwapStats)  # a copy: preemptions so far
+    preemptions: int = 0  # so far, swapped or recomputed
+    swap: SwapStats = field(default_factory=SwapStats)  # a copy: how they were served
 
     @property
     def usage(self) -> float:

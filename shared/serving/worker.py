@@ -114,6 +114,12 @@ class WorkerMetrics:
             registry=r,
         )
         self._swap_seen = SwapStats()
+        self._preemptions_seen = 0
+        self.preemptions = Counter(
+            "baton_preemptions",
+            "Running requests preempted for KV blocks (swapped or recomputed)",
+            registry=r,
+        )
         self.threads = Gauge(
             "baton_engine_threads", "Threads the last engine step ran on", registry=r
         )
@@ -170,6 +176,8 @@ class WorkerMetrics:
         self.vllm_waiting.labels(m).set(snap.waiting + snap.loading + snap.parked)
         self.vllm_kv_usage.labels(m).set(snap.usage)
         self._observe_swaps(snap.swap)
+        self.preemptions.inc(snap.preemptions - self._preemptions_seen)
+        self._preemptions_seen = snap.preemptions
 
     def _observe_swaps(self, now: SwapStats) -> None:
         seen, self._swap_seen = self._swap_seen, now
@@ -421,7 +429,7 @@ class Worker:
             "thread_changes": float(s.thread_changes),
             "swaps_out": float(snap.swap.swaps_out),
             "swaps_in": float(snap.swap.swaps_in),
-            "preemption_recomputes": float(snap.swap.recomputes + snap.swap.recomputes_no_room),
+            "preemptions": float(snap.preemptions),
             "kv_blocks_total": float(snap.num_slots),
             "cached_blocks": float(snap.cached_blocks),
             "waiting": float(snap.waiting),
