@@ -16,7 +16,7 @@ an output element in one fixed order whatever the thread count (the
 batch-invariance guarantee; tests/shared/engine/test_elastic_threads.py checks a
 whole forward).
 
-The policy (:func:`threads_for`) is pure; :class:`CpuSampler` is the one part
+The policy (:func:`threads_for`) is pure; :class:`ProcStatSource` is the one part
 that reads the machine, and a fake one can be passed in.
 """
 
@@ -33,7 +33,9 @@ from typing import Protocol
 MIN_WINDOW_S = 0.05
 # a longer window is stale (the engine was idle): count the threads running right now
 MAX_WINDOW_S = 0.5
-RUNNING_READS = 3  # instantaneous reads, 1 ms apart; their median
+# instantaneous reads 1 ms apart; the fewest seen counts (a thread that ran at every read
+# is busy, one that finished a moment's work, such as a stream's last token, is not)
+RUNNING_READS = 5
 # a core counts as free when others used less than this share of it
 FREE_MARGIN = 0.3
 
@@ -116,7 +118,7 @@ class ThreadGovernor:
             if i:
                 self._sleep(0.001)
             reads.append(self.source.running_others())
-        return sorted(reads)[len(reads) // 2]
+        return min(reads)
 
 
 class ProcStatSource:
