@@ -42,6 +42,8 @@ LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dty
 class Outcome:
     mode: str
     goodput: float
+    met_slo: int  # requests meeting both SLOs
+    duration_s: float
     ttft_p50: float
     tpot_p50: float
     output_tok_s: float
@@ -101,8 +103,10 @@ def run_mode(
     finally:
         running.stop()
     s = summarize(results, duration, slo)
+    goodput = s.goodput or 0.0
     outcome = Outcome(
-        mode, s.goodput or 0.0, s.ttft.median, s.tpot.median, s.output_throughput, s.failed,
+        mode, goodput, round(goodput * duration), duration, s.ttft.median, s.tpot.median,
+        s.output_throughput, s.failed,
         {k: stats.get(k, 0.0) for k in ("preemptions", "swaps_out", "swaps_in")},
     )  # fmt: skip
     print(outcome, flush=True)

@@ -228,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch", type=float, default=0.0, help="refresh every this many seconds (0: once)"
     )
     from shared.bench.command import add_parser as add_bench_parser
+    from shared.capacity.command import add_parsers as add_capacity_parsers
 
     add_bench_parser(sub)
+    add_capacity_parsers(sub)
     for _, p in parsers(parser):
         p.formatter_class = HelpFormatter
     return parser
@@ -475,6 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shared.bench.command import run as run_bench
 
             return run_bench(args)
+        if args.command in ("profile", "plan"):
+            from shared.capacity import command as capacity
+
+            return (
+                capacity.run_profile(args) if args.command == "profile" else capacity.run_plan(args)
+            )
         return cmd_generate(args)
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)

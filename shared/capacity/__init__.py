@@ -1,0 +1,1 @@
+"""Capacity: what the engine costs here (profile), which deployment serves best (plan)."""

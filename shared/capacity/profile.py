@@ -1,0 +1,143 @@
+"""What the engine costs on one machine: step times measured by ``baton profile``.
+
+A :class:`Profile` holds the measured points (prefill step time by prompt tokens,
+decode step time by batch size and summed context, each per thread count, and
+the KV transfer speed) and answers the simulator's questions from them:
+prefill time by linear interpolation between the measured token counts
+(extrapolated along the last segment), decode time from a least-squares fit
+``a + b * batch + c * context`` per thread count. A thread count that was not
+measured uses the nearest one measured below it (or the smallest).
+
+Saved as JSON (``version`` 1); :func:`load` refuses another version or a
+malformed file with a :class:`ProfileError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import BatonError
+
+VERSION = 1
+
+
+class ProfileError(BatonError):
+    """A profile file that cannot be used."""
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    threads: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    threads: int
+    batch: int
+    context: int  # tokens of context summed over the batch
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    dtype: str
+    cpu: str
+    block_size: int
+    kv_bytes_per_token: int
+    transfer_bytes_s: float
+    prefill: tuple[PrefillPoint, ...]
+    decode: tuple[DecodePoint, ...]
+    measured_at: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ProfileError("a profile needs prefill and decode measurements")
+        if self.transfer_bytes_s <= 0 or self.kv_bytes_per_token <= 0 or self.block_size <= 0:
+            raise ProfileError("transfer speed, KV bytes per token and block size must be > 0")
+
+    # -- the simulator's questions ----------------------------------------------------
+    def prefill_seconds(self, tokens: int, threads: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        xs, ys = self._prefill_curve[_nearest(self._prefill_curve, threads)]
+        if len(xs) == 1:
+            return float(ys[0] * tokens / xs[0])
+        if tokens <= xs[-1]:
+            if tokens < xs[0]:  # below the first point: along the first segment, > 0
+                slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+                return float(max(ys[0] - slope * (xs[0] - tokens), ys[0] * tokens / xs[0]))
+            return float(np.interp(tokens, xs, ys))
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(ys[-1] + slope * (tokens - xs[-1]))
+
+    def decode_seconds(self, batch: int, context: int, threads: int) -> float:
+        a, b, c = self._decode_fit[_nearest(self._decode_fit, threads)]
+        return max(1e-4, a + b * batch + c * context)
+
+    @cached_property
+    def _prefill_curve(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        out = {}
+        for t in sorted({p.threads for p in self.prefill}):
+            pts = sorted((p.tokens, p.seconds) for p in self.prefill if p.threads == t)
+            out[t] = (np.array([x for x, _ in pts], float), np.array([y for _, y in pts], float))
+        return out
+
+    @cached_property
+    def _decode_fit(self) -> dict[int, tuple[float, float, float]]:
+        out = {}
+        for t in sorted({p.threads for p in self.decode}):
+            pts = [p for p in self.decode if p.threads == t]
+            a = np.array([[1.0, p.batch, p.context] for p in pts])
+            y = np.array([p.seconds for p in pts])
+            coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+            out[t] = (float(coef[0]), float(coef[1]), float(coef[2]))
+        return out
+
+    @property
+    def threads(self) -> list[int]:
+        return sorted({p.threads for p in self.prefill} & {p.threads for p in self.decode})
+
+    # -- files --------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"version": VERSION, **asdict(self)}
+        path.write_text(json.dumps(body, indent=1))
+
+
+def load(path: Path) -> Profile:
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc}") from exc
+    if not isinstance(body, dict) or body.get("version") != VERSION:
+        raise ProfileError(f"{path}: not a version-{VERSION} Baton profile (run `baton profile`)")
+    try:
+        return Profile(
+            model=str(body["model"]),
+            dtype=str(body["dtype"]),
+            cpu=str(body["cpu"]),
+            block_size=int(body["block_size"]),
+            kv_bytes_per_token=int(body["kv_bytes_per_token"]),
+            transfer_bytes_s=float(body["transfer_bytes_s"]),
+            prefill=tuple(PrefillPoint(**p) for p in body["prefill"]),
+            decode=tuple(DecodePoint(**p) for p in body["decode"]),
+            measured_at=str(body.get("measured_at", "")),
+            notes=dict(body.get("notes", {})),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"{path}: malformed profile: {exc!r}") from exc
+
+
+def _nearest(table: Mapping[int, object], threads: int) -> int:
+    below = [t for t in table if t <= threads]
+    return max(below) if below else min(table)

@@ -1,0 +1,248 @@
+"""A discrete-event simulation of a disaggregated deployment serving a workload.
+
+DistServe chooses its split and batch limits by simulating the workload against
+measured step times; this is that simulation for Baton, fed by a
+:class:`~shared.capacity.profile.Profile` taken on the machine at hand.
+
+What is modelled, per instance:
+
+- **Prefill** instances take requests first come, first served (the router sends
+  each to the one with the fewest queued tokens) and batch them into steps of at
+  most ``max_batched_tokens`` prompt tokens, chunking a longer prompt. A step
+  lasts the profile's prefill time for its tokens, plus the time to load the
+  prompt blocks the KV store already holds (prefix-hash workloads: the blocks
+  of a prompt's leading ids prefilled before, by any instance, are loaded, not
+  computed; the last prompt token is always computed). A
+  prompt's first token comes at the end of its last step.
+- **Handoff**: the decode instance loads the prompt's KV at the profile's
+  transfer speed (layer-wise streaming hides most of it; the whole load is
+  counted, which errs towards later first decode steps).
+- **Decode** instances (the least loaded gets each request) run continuous
+  batches of at most ``max_seqs`` requests; a step lasts the profile's decode
+  time for its batch size and summed context, and gives every request in it
+  one token.
+- **Cores**: instances share the ``cores`` given; while more threads compute
+  than there are cores, every step started then is stretched by threads /
+  cores (time slicing).
+
+Requests are counted from their arrival; TTFT ends at the first token, TPOT is
+(last token - first token) / (output tokens - 1). Goodput is the requests
+meeting both SLOs per second of the run (first arrival to last token), as
+``baton bench`` counts it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared.capacity.profile import Profile
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    input_len: int
+    output_len: int
+    block_ids: tuple[int, ...] = ()  # prefix-hash ids (chained), one per block_tokens
+    block_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Deployment:
+    prefill: int
+    decode: int
+    threads: int = 1  # per instance
+    max_batched_tokens: int = 2048
+    max_seqs: int = 64
+
+    @property
+    def threads_total(self) -> int:
+        return (self.prefill + self.decode) * self.threads
+
+    def describe(self) -> str:
+        return (
+            f"{self.prefill}P:{self.decode}D, {self.threads} thread(s) each, "
+            f"batch <= {self.max_seqs} seqs / {self.max_batched_tokens} tokens"
+        )
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    ttft_s: float
+    tpot_s: float
+    finished_s: float
+
+    def meets(self, slo_ttft: float, slo_tpot: float) -> bool:
+        return self.ttft_s <= slo_ttft and self.tpot_s <= slo_tpot
+
+
+@dataclass(frozen=True)
+class SimResult:
+    deployment: Deployment
+    outcomes: tuple[RequestOutcome, ...]
+    duration_s: float
+
+    def goodput(self, slo_ttft: float, slo_tpot: float) -> float:
+        met = sum(o.meets(slo_ttft, slo_tpot) for o in self.outcomes)
+        return met / self.duration_s if self.duration_s > 0 else 0.0
+
+
+@dataclass
+class _Req:
+    spec: SimRequest
+    index: int
+    to_compute: int  # prompt tokens left to compute
+    load_bytes: int  # prompt KV loaded from the store instead of computed
+    first_token_s: float = 0.0
+    generated: int = 0  # tokens so far (the first comes from prefill)
+
+
+@dataclass
+class _Instance:
+    threads: int
+    queue: deque[_Req] = field(default_factory=deque)
+    running: list[_Req] = field(default_factory=list)
+    busy: bool = False
+    queued_tokens: int = 0
+
+
+class _Clock:
+    """Events in time order; ties keep the order they were scheduled in."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, fn = heapq.heappop(self._heap)
+            fn()
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    deployment: Deployment,
+    profile: Profile,
+    cores: int,
+) -> SimResult:
+    if deployment.prefill < 1 or deployment.decode < 1 or cores < 1:
+        raise ValueError("a deployment needs a prefill and a decode instance and a core")
+    clock = _Clock()
+    t = deployment.threads
+    prefills = [_Instance(t) for _ in range(deployment.prefill)]
+    decodes = [_Instance(t) for _ in range(deployment.decode)]
+    busy_threads = 0
+    stored: set[int] = set()
+    outcomes: dict[int, RequestOutcome] = {}
+    per_token = profile.kv_bytes_per_token
+
+    def stretch(seconds: float, threads: int) -> float:
+        nonlocal busy_threads
+        busy_threads += threads
+        return seconds * max(1.0, busy_threads / cores)
+
+    def release(threads: int) -> None:
+        nonlocal busy_threads
+        busy_threads -= threads
+
+    def arrive(i: int, spec: SimRequest) -> None:
+        cached = 0
+        for block in spec.block_ids:
+            if block not in stored:
+                break
+            cached += spec.block_tokens
+        cached = min(cached, spec.input_len - 1)
+        req = _Req(spec, i, spec.input_len - cached, cached * per_token)
+        inst = min(prefills, key=lambda p: p.queued_tokens)
+        inst.queue.append(req)
+        inst.queued_tokens += req.to_compute
+        start_prefill(inst)
+
+    def start_prefill(inst: _Instance) -> None:
+        if inst.busy or not inst.queue:
+            return
+        budget, tokens, load, batch = deployment.max_batched_tokens, 0, 0, []
+        for req in inst.queue:
+            if budget <= 0:
+                break
+            take = min(req.to_compute, budget)
+            batch.append((req, take))
+            tokens, budget = tokens + take, budget - take
+            load += req.load_bytes
+            req.load_bytes = 0
+        seconds = profile.prefill_seconds(tokens, inst.threads) + load / profile.transfer_bytes_s
+        inst.busy = True
+        clock.at(clock.now + stretch(seconds, inst.threads), lambda: end_prefill(inst, batch))
+
+    def end_prefill(inst: _Instance, batch: list[tuple[_Req, int]]) -> None:
+        release(inst.threads)
+        inst.busy = False
+        for req, took in batch:
+            req.to_compute -= took
+            inst.queued_tokens -= took
+            if req.to_compute == 0:
+                inst.queue.remove(req)
+                req.first_token_s = clock.now
+                req.generated = 1
+                stored.update(req.spec.block_ids)
+                handoff(req)
+        start_prefill(inst)
+
+    def handoff(req: _Req) -> None:
+        if req.generated >= req.spec.output_len:
+            finish(req)
+            return
+        dec = min(decodes, key=lambda d: len(d.running) + len(d.queue))
+        load_s = req.spec.input_len * per_token / profile.transfer_bytes_s
+
+        def join() -> None:
+            dec.queue.append(req)
+            start_decode(dec)
+
+        clock.at(clock.now + load_s, join)
+
+    def start_decode(dec: _Instance) -> None:
+        if dec.busy:
+            return
+        while dec.queue and len(dec.running) < deployment.max_seqs:
+            dec.running.append(dec.queue.popleft())
+        if not dec.running:
+            return
+        context = sum(r.spec.input_len + r.generated for r in dec.running)
+        seconds = profile.decode_seconds(len(dec.running), context, dec.threads)
+        dec.busy = True
+        clock.at(clock.now + stretch(seconds, dec.threads), lambda: end_decode(dec))
+
+    def end_decode(dec: _Instance) -> None:
+        release(dec.threads)
+        dec.busy = False
+        still = []
+        for req in dec.running:
+            req.generated += 1
+            if req.generated >= req.spec.output_len:
+                finish(req)
+            else:
+                still.append(req)
+        dec.running = still
+        start_decode(dec)
+
+    def finish(req: _Req) -> None:
+        spec = req.spec
+        tpot = (clock.now - req.first_token_s) / (spec.output_len - 1) if spec.output_len > 1 else 0
+        outcomes[req.index] = RequestOutcome(req.first_token_s - spec.arrival_s, tpot, clock.now)
+
+    for i, spec in enumerate(requests):
+        clock.at(spec.arrival_s, lambda i=i, spec=spec: arrive(i, spec))  # type: ignore[misc]
+    clock.run()
+    ordered = tuple(outcomes[i] for i in range(len(requests)))
+    start = min((r.arrival_s for r in requests), default=0.0)
+    end = max((o.finished_s for o in ordered), default=start)
+    return SimResult(deployment, ordered, end - start)

@@ -1,0 +1,51 @@
+"""A profile answers from its points: interpolation, the decode fit, files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.capacity.profile import DecodePoint, PrefillPoint, Profile, ProfileError, load
+from tests.shared.capacity.fake_profile import linear_profile
+
+
+def test_prefill_interpolates_and_extrapolates_along_the_measured_line() -> None:
+    p = linear_profile(prefill_s_per_token=0.001)
+    assert p.prefill_seconds(512, 1) == pytest.approx(0.512)
+    assert p.prefill_seconds(1000, 1) == pytest.approx(1.0)  # between points
+    assert p.prefill_seconds(4096, 1) == pytest.approx(4.096)  # past the last
+    assert p.prefill_seconds(32, 1) == pytest.approx(0.032)  # before the first
+    assert p.prefill_seconds(512, 2) == pytest.approx(0.256)
+    assert p.prefill_seconds(512, 8) == pytest.approx(0.256)  # nearest measured below
+    assert p.prefill_seconds(0, 1) == 0.0
+
+
+def test_decode_fit_recovers_the_step_time_model() -> None:
+    p = linear_profile(decode_base_s=0.01, decode_per_seq_s=0.001)
+    assert p.decode_seconds(16, 16 * 500, 1) == pytest.approx(0.026, abs=1e-9)
+    assert p.decode_seconds(16, 16 * 500, 2) == pytest.approx(0.013, abs=1e-9)
+    assert p.threads == [1, 2]
+
+
+def test_saved_profiles_load_back_and_bad_files_are_refused(tmp_path: Path) -> None:
+    p = linear_profile()
+    p.save(tmp_path / "p.json")
+    back = load(tmp_path / "p.json")
+    assert back.prefill == p.prefill and back.decode == p.decode
+    assert back.prefill_seconds(700, 1) == p.prefill_seconds(700, 1)
+    (tmp_path / "old.json").write_text('{"version": 0}')
+    with pytest.raises(ProfileError, match="version-1"):
+        load(tmp_path / "old.json")
+    (tmp_path / "bad.json").write_text('{"version": 1, "model": "m"}')
+    with pytest.raises(ProfileError, match="malformed"):
+        load(tmp_path / "bad.json")
+    with pytest.raises(ProfileError, match="cannot read"):
+        load(tmp_path / "missing.json")
+
+
+def test_a_profile_needs_both_phases() -> None:
+    with pytest.raises(ProfileError):
+        Profile("m", "bf16", "c", 16, 100, 1e9, (PrefillPoint(1, 64, 0.1),), ())
+    with pytest.raises(ProfileError):
+        Profile("m", "bf16", "c", 16, 100, 0, (), (DecodePoint(1, 1, 10, 0.1),))

@@ -1,0 +1,64 @@
+"""The deployment simulator on small workloads whose timings can be worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.capacity.simulator import Deployment, SimRequest, simulate
+from tests.shared.capacity.fake_profile import linear_profile
+
+ONE = Deployment(prefill=1, decode=1)
+
+
+def test_one_request_prefills_then_decodes_one_token_per_step() -> None:
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    res = simulate([SimRequest(0.0, 512, 11)], ONE, p, cores=2)
+    (o,) = res.outcomes
+    assert o.ttft_s == pytest.approx(0.512)
+    assert o.tpot_s == pytest.approx(0.01, rel=1e-3)  # 10 decode steps of 10 ms
+    assert res.duration_s == pytest.approx(0.512 + 0.1, rel=1e-3)
+
+
+def test_prompts_queue_behind_the_token_budget() -> None:
+    p = linear_profile(prefill_s_per_token=0.001)
+    dep = Deployment(prefill=1, decode=1, max_batched_tokens=512)
+    res = simulate([SimRequest(0.0, 512, 2), SimRequest(0.0, 512, 2)], dep, p, cores=2)
+    assert [round(o.ttft_s, 3) for o in res.outcomes] == [0.512, 1.024]
+    two = simulate([SimRequest(0.0, 512, 2), SimRequest(0.0, 512, 2)], Deployment(2, 1), p, cores=3)
+    assert [round(o.ttft_s, 3) for o in two.outcomes] == [0.512, 0.512]
+
+
+def test_instances_sharing_cores_are_slowed() -> None:
+    p = linear_profile(prefill_s_per_token=0.001)
+    reqs = [SimRequest(0.0, 512, 2), SimRequest(0.0, 512, 2)]
+    alone = simulate(reqs, Deployment(2, 1), p, cores=3)
+    shared = simulate(reqs, Deployment(2, 1), p, cores=1)
+    assert shared.outcomes[1].ttft_s > alone.outcomes[1].ttft_s * 1.5
+
+
+def test_blocks_the_store_holds_are_loaded_not_computed() -> None:
+    p = linear_profile(prefill_s_per_token=0.001)
+    first = SimRequest(0.0, 1024, 2, block_ids=(1, 2), block_tokens=512)
+    again = SimRequest(5.0, 1024, 2, block_ids=(1, 2), block_tokens=512)
+    other = SimRequest(10.0, 1024, 2, block_ids=(3, 4), block_tokens=512)
+    res = simulate([first, again, other], ONE, p, cores=2)
+    ttft = [o.ttft_s for o in res.outcomes]
+    assert ttft[0] == pytest.approx(1.024)
+    assert ttft[1] == pytest.approx(0.001, rel=0.1)  # only the last token computed
+    assert ttft[2] == pytest.approx(1.024)
+
+
+def test_decode_batches_cap_at_max_seqs_and_goodput_counts_slo_met() -> None:
+    p = linear_profile(prefill_s_per_token=0.0001, decode_base_s=0.01, decode_per_seq_s=0.001)
+    reqs = [SimRequest(0.0, 64, 50) for _ in range(8)]
+    wide = simulate(reqs, Deployment(1, 1, max_seqs=8), p, cores=2)
+    narrow = simulate(reqs, Deployment(1, 1, max_seqs=2), p, cores=2)
+    assert narrow.duration_s > wide.duration_s
+    slo_tpot = max(o.tpot_s for o in wide.outcomes)
+    assert wide.goodput(10.0, slo_tpot) == pytest.approx(8 / wide.duration_s)
+    assert wide.goodput(10.0, slo_tpot / 2) == 0.0
+
+
+def test_a_deployment_needs_both_roles() -> None:
+    with pytest.raises(ValueError):
+        simulate([SimRequest(0.0, 8, 2)], Deployment(0, 1), linear_profile(), cores=1)
