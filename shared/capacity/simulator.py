@@ -21,9 +21,10 @@ What is modelled, per instance:
   batches of at most ``max_seqs`` requests; a step lasts the profile's decode
   time for its batch size and summed context, and gives every request in it
   one token.
-- **Cores**: instances share the ``cores`` given; while more threads compute
-  than there are cores, every step started then is stretched by threads /
-  cores (time slicing).
+- **Cores**: instances share the ``cores`` given as a processor-sharing
+  system: while more threads compute than there are cores, every running step
+  progresses at cores / threads of its full speed (time slicing), and speeds
+  up again as others finish.
 
 Requests are counted from their arrival; TTFT ends at the first token, TPOT is
 (last token - first token) / (output tokens - 1). Goodput is the requests
@@ -127,6 +128,57 @@ class _Clock:
             fn()
 
 
+@dataclass
+class _Job:
+    threads: int
+    remaining_s: float  # of work at full speed
+    done: Callable[[], None]
+
+
+class _Cpu:
+    """Processor sharing: running jobs progress at min(1, cores / threads running)."""
+
+    def __init__(self, cores: int, clock: _Clock):
+        self.cores = cores
+        self.clock = clock
+        self.jobs: list[_Job] = []
+        self._last = 0.0
+        self._version = 0
+
+    def start(self, threads: int, work_s: float, done: Callable[[], None]) -> None:
+        self._advance()
+        self.jobs.append(_Job(threads, work_s, done))
+        self._reschedule()
+
+    def _rate(self) -> float:
+        threads = sum(j.threads for j in self.jobs)
+        return min(1.0, self.cores / threads) if threads else 1.0
+
+    def _advance(self) -> None:
+        progress = (self.clock.now - self._last) * self._rate()
+        for job in self.jobs:
+            job.remaining_s -= progress
+        self._last = self.clock.now
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        if not self.jobs:
+            return
+        first = min(j.remaining_s for j in self.jobs)
+        version = self._version
+        self.clock.at(self.clock.now + max(0.0, first) / self._rate(), lambda: self._end(version))
+
+    def _end(self, version: int) -> None:
+        if version != self._version:
+            return  # the running set changed since this was scheduled
+        self._advance()
+        done = [j for j in self.jobs if j.remaining_s <= 1e-12]
+        self.jobs = [j for j in self.jobs if j.remaining_s > 1e-12]
+        self._reschedule()
+        for job in done:
+            job.done()
+
+
 def simulate(
     requests: Sequence[SimRequest],
     deployment: Deployment,
@@ -139,19 +191,10 @@ def simulate(
     t = deployment.threads
     prefills = [_Instance(t) for _ in range(deployment.prefill)]
     decodes = [_Instance(t) for _ in range(deployment.decode)]
-    busy_threads = 0
+    cpu = _Cpu(cores, clock)
     stored: set[int] = set()
     outcomes: dict[int, RequestOutcome] = {}
     per_token = profile.kv_bytes_per_token
-
-    def stretch(seconds: float, threads: int) -> float:
-        nonlocal busy_threads
-        busy_threads += threads
-        return seconds * max(1.0, busy_threads / cores)
-
-    def release(threads: int) -> None:
-        nonlocal busy_threads
-        busy_threads -= threads
 
     def arrive(i: int, spec: SimRequest) -> None:
         cached = 0
@@ -180,10 +223,9 @@ def simulate(
             req.load_bytes = 0
         seconds = profile.prefill_seconds(tokens, inst.threads) + load / profile.transfer_bytes_s
         inst.busy = True
-        clock.at(clock.now + stretch(seconds, inst.threads), lambda: end_prefill(inst, batch))
+        cpu.start(inst.threads, seconds, lambda: end_prefill(inst, batch))
 
     def end_prefill(inst: _Instance, batch: list[tuple[_Req, int]]) -> None:
-        release(inst.threads)
         inst.busy = False
         for req, took in batch:
             req.to_compute -= took
@@ -219,10 +261,9 @@ def simulate(
         context = sum(r.spec.input_len + r.generated for r in dec.running)
         seconds = profile.decode_seconds(len(dec.running), context, dec.threads)
         dec.busy = True
-        clock.at(clock.now + stretch(seconds, dec.threads), lambda: end_decode(dec))
+        cpu.start(dec.threads, seconds, lambda: end_decode(dec))
 
     def end_decode(dec: _Instance) -> None:
-        release(dec.threads)
         dec.busy = False
         still = []
         for req in dec.running:
