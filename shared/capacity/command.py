@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from shared.cli import from_settings
 from shared.config import BatonSettings, default_cache_dir
 from shared.errors import InvalidRequestError
 
@@ -25,8 +26,13 @@ def add_parsers(sub: Any) -> None:
         "--threads", type=int, nargs="+", default=None, help="thread counts (default: 1..CPUs)"
     )
     prof.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
-    prof.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
-    prof.add_argument("--transport", choices=["tcp", "ucx"], default="tcp")
+    prof.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help=f"compute dtype to profile ({from_settings('dtype')})",
+    )
+    prof.add_argument("--transport", choices=["tcp", "ucx"], default="tcp", help="KV data plane")
     prof.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
     plan = sub.add_parser(
         "plan", help="simulate a workload on candidate deployments and rank them by goodput"
@@ -39,11 +45,17 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--num-requests", type=int, default=None, help="the first N (default: all)")
     plan.add_argument("--time-scale", type=float, default=1.0, help="as `baton bench`'s")
     plan.add_argument("--token-scale", type=float, default=1.0, help="as `baton bench`'s")
-    plan.add_argument("--max-input", type=int, default=4096)
-    plan.add_argument("--max-output", type=int, default=512)
-    plan.add_argument("--trace-block-size", type=int, default=512, help="prefix-hash traces")
-    plan.add_argument("--threads", type=int, nargs="+", default=None, help="per instance")
-    plan.add_argument("--max-seqs", type=int, nargs="+", default=[16, 64], help="decode batch")
+    plan.add_argument("--max-input", type=int, default=4096, help="prompts cut to this")
+    plan.add_argument("--max-output", type=int, default=512, help="outputs cut to this")
+    plan.add_argument(
+        "--trace-block-size", type=int, default=512, help="tokens per hash of prefix-hash traces"
+    )
+    plan.add_argument(
+        "--threads", type=int, nargs="+", default=None, help="per instance (default: 1..CPUs)"
+    )
+    plan.add_argument(
+        "--max-seqs", type=int, nargs="+", default=[16, 64], help="decode batch limits"
+    )
     plan.add_argument(
         "--oversubscribe",
         type=float,
