@@ -8,8 +8,9 @@ step the engine thread asks a :class:`ThreadGovernor` how many threads to run
 the step on: the CPUs this process may use, less what other processes kept
 busy over the last steps (``/proc/stat`` minus this process's own CPU time; after
 an idle spell, the threads of other processes running at that moment), within
-``[min_threads, max_threads]``. When the other role gets busy again its
-load shows in the next sample and the count shrinks back.
+``[min_threads, max_threads]``. When the other role gets busy again, the
+count shrinks back between two layers of the running step (its threads seen
+running at a few layer boundaries in a row), or at the next step.
 
 Changing the thread count never changes a result: every native kernel computes
 an output element in one fixed order whatever the thread count (the
@@ -36,6 +37,7 @@ MAX_WINDOW_S = 0.5
 # instantaneous reads 1 ms apart; the fewest seen counts (a thread that ran at every read
 # is busy, one that finished a moment's work, such as a stream's last token, is not)
 RUNNING_READS = 5
+PRESSED_CHECKS = 3
 # a core counts as free when others used less than this share of it
 FREE_MARGIN = 0.3
 
@@ -95,6 +97,7 @@ class ThreadGovernor:
         self.changes = 0
         self._sleep = sleep
         self._last: CpuSample | None = None
+        self._pressed = 0  # layer checks in a row that found our cores wanted
 
     def decide(self) -> int:
         now = self.source.sample()
@@ -110,7 +113,28 @@ class ThreadGovernor:
         if threads != self.current:
             self.changes += 1
             self.current = threads
+        self._pressed = 0
         return threads
+
+    def recheck(self) -> int:
+        """Between the layers of a step: shrink as soon as other processes' threads were
+        running at :data:`PRESSED_CHECKS` checks in a row on cores this step took (a
+        step of a long prompt lasts seconds; the other role may have got busy since
+        it began). Growing waits for the next step's decision."""
+        if self.current <= self.min_threads:
+            return self.current
+        running = self.source.running_others()
+        if running > 0 and self.current > self.source.cpus - running:
+            self._pressed += 1
+        else:
+            self._pressed = 0
+        if self._pressed >= PRESSED_CHECKS:
+            self._pressed = 0
+            self.current = threads_for(
+                self.source.cpus, float(running), self.min_threads, self.max_threads
+            )
+            self.changes += 1
+        return self.current
 
     def _running_now(self) -> int:
         reads = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -144,6 +144,9 @@ class Engine:
         self._next_id = 0
         self._steps = 0
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was runnable)
+        # called on the engine thread after each layer's K/V are written (before they
+        # are saved): it may change the thread count (see shared.engine.elastic_threads)
+        self.between_layers: Callable[[], None] | None = None
 
     def _swap(self, config: EngineConfig) -> tuple[HostSwapSpace | None, Swapper | None]:
         blocks = config.cache.swap_space_bytes // self.layout.block_bytes
@@ -321,11 +324,14 @@ class Engine:
             timing = self.timings.get(s.request.request_id)
             if timing is not None and timing.scheduled is None:
                 timing.scheduled = now
-        connector = self.connector
+        connector, between = self.connector, self.between_layers
         if connector is None:
-            return self.runner.execute(scheduled), frozenset()
+            hook = None if between is None else (lambda _layer, _step: between())
+            return self.runner.execute(scheduled, hook), frozenset()
 
         def on_layer(layer: int, step: SchedulerOutput) -> None:
+            if between is not None:
+                between()
             connector.wait_for_layer(layer)
             connector.save_layer(layer, step)
 

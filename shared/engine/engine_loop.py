@@ -85,6 +85,8 @@ class EngineLoop:
         self.on_step = on_step  # (seconds, tokens computed), on the engine thread
         self.on_kv_events = on_kv_events  # on the event loop
         self.threads = threads
+        if threads is not None:
+            engine.between_layers = self._recheck_threads
         self.stats = LoopStats()
         self.snapshot: EngineSnapshot = engine.snapshot()
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -209,11 +211,7 @@ class EngineLoop:
     def _step_once(self) -> bool:
         """One engine step; False when nothing was runnable."""
         if self.threads is not None:
-            n = self.threads.decide()
-            if n != self.stats.threads:
-                self.engine.set_num_threads(n)
-                self.stats.threads = n
-                self.stats.thread_changes = self.threads.changes
+            self._use_threads(self.threads.decide())
         t0 = time.perf_counter()
         outputs = self.engine.step()
         dt = time.perf_counter() - t0
@@ -227,6 +225,17 @@ class EngineLoop:
         if outputs:
             self._require_loop().call_soon_threadsafe(self._deliver, outputs)
         return self.engine.last_step_tokens != 0
+
+    def _use_threads(self, n: int) -> None:
+        if n != self.stats.threads:
+            self.engine.set_num_threads(n)
+            self.stats.threads = n
+        if self.threads is not None:
+            self.stats.thread_changes = self.threads.changes
+
+    def _recheck_threads(self) -> None:
+        if self.threads is not None:
+            self._use_threads(self.threads.recheck())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -11,6 +11,7 @@ import torch
 
 from shared.config import EngineConfig, SchedulerConfig
 from shared.engine.elastic_threads import (
+    PRESSED_CHECKS,
     CpuSample,
     ProcStatSource,
     ThreadGovernor,
@@ -70,6 +71,33 @@ def test_after_an_idle_spell_it_counts_what_runs_now() -> None:
     src.running = 0
     src.advance(5.0)
     assert gov.decide() == 2
+
+
+def test_between_layers_it_shrinks_once_others_keep_running() -> None:
+    src = FakeCpuSource()
+    gov = governor(src)
+    assert gov.decide() == 2  # a long prompt starts on both cores
+    src.running = 1  # decode got a stream mid-step
+    assert [gov.recheck() for _ in range(PRESSED_CHECKS - 1)] == [2] * (PRESSED_CHECKS - 1)
+    assert gov.recheck() == 1  # seen at PRESSED_CHECKS layer boundaries in a row
+    assert gov.changes == 2
+    src.running = 0
+    assert gov.recheck() == 1  # growing waits for the next step's decision
+    src.advance(0.2)
+    assert gov.decide() == 2
+
+
+def test_a_blip_between_layers_does_not_shrink() -> None:
+    src = FakeCpuSource()
+    gov = governor(src)
+    gov.decide()
+    for running in [1, 0] * PRESSED_CHECKS + [1] * (PRESSED_CHECKS - 1):
+        src.running = running
+        assert gov.recheck() == 2  # never PRESSED_CHECKS in a row
+    src.advance(0.2)
+    gov.decide()  # a new step starts the count again
+    src.running = 1
+    assert gov.recheck() == 2
 
 
 def test_short_windows_keep_the_last_decision() -> None:
