@@ -32,10 +32,20 @@ from shared.capacity.profile import load
 from shared.capacity.simulator import Deployment
 
 
-def measure_split(args: argparse.Namespace, prefill: int, decode: int) -> dict[str, float]:
-    extra = ["--prefill", str(prefill), "--decode", str(decode), "--max-threads", "1"]
-    server = baton_server(args.python, f"{prefill}P:{decode}D", extra)
-    running = Running(server, args.out / f"baton-{prefill}p{decode}d.log")
+def measure_split(
+    args: argparse.Namespace,
+    prefill: int,
+    decode: int,
+    extra: Sequence[str] = ("--max-threads", "1"),
+    label: str = "",
+) -> dict[str, float]:
+    """``baton up --prefill P --decode D EXTRA`` serving the trace; its figures."""
+    name = f"{prefill}P:{decode}D{label}"
+    server = baton_server(
+        args.python, name, ["--prefill", str(prefill), "--decode", str(decode), *extra]
+    )
+    tag = f"{prefill}p{decode}d{label.strip().replace(' ', '-')}"
+    running = Running(server, args.out / f"baton-{tag}.log")
     rows = wl.load_trace(args.trace)
     specs = wl.from_trace(
         rows,

@@ -195,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the baseline: one engine serving both phases (mixed batching) behind the gateway",
     )
     up.add_argument(
+        "--mixed",
+        action="store_true",
+        help="a mixed pool: every prefill and decode instance can serve the other role, and "
+        "the gateway lends one whose own queue is empty to the other role while that "
+        "role's queue is over its bound (BATON_GATEWAY_LEND_PREFILL_TOKENS, "
+        "BATON_GATEWAY_LEND_DECODE_RUNNING)",
+    )
+    up.add_argument(
         "--preemption-mode",
         choices=["auto", "swap", "recompute"],
         default=None,
@@ -364,6 +372,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from shared.supervisor import run_until_signalled
 
     settings = _settings(args)
+    if args.colocated and args.mixed:
+        raise InvalidRequestError("--mixed and --colocated exclude each other")
     if args.colocated:
         args.prefill, args.decode, args.kvstore = 0, 0, 0
     if not args.colocated:
@@ -423,6 +433,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             kv_cache_gb=args.kv_cache_gb,
             kvstore_gb=args.kvstore_gb,
             colocated=1 if args.colocated else 0,
+            mixed=args.mixed,
             cpus=cpus,
             engine_cpus=engine_cpus,
             prefix_caching=not args.no_prefix_cache,

@@ -26,6 +26,7 @@ ROLE_MODULES = {
     "decode": "services.decode",
     "gateway": "services.gateway",
 }
+MIXED_MODULE = "services.mixed"
 DEFAULT_PORTS = {
     "gateway": 8000,
     "prefill": 8100,
@@ -43,9 +44,12 @@ class ServiceSpec:
     role: str
     env: dict[str, str]
     http_port: int
+    mixed: bool = False  # a prefill or decode instance that also serves the other role
 
     @property
     def module(self) -> str:
+        if self.mixed:
+            return MIXED_MODULE
         return ROLE_MODULES["decode" if self.role == "colocated" else self.role]
 
     def command(self, python: str = "python") -> list[str]:
@@ -87,6 +91,9 @@ class Topology:
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
+    # every prefill and decode instance serves both roles (its own first; the gateway lends
+    # it to the other role while that role's queue is over its bound)
+    mixed: bool = False
     prefix_caching: bool = True  # False: no KV reuse anywhere (a baseline for caching)
     replication: int = 1  # KV store nodes each block is written to
     cpus: dict[str, str] = field(default_factory=dict)  # role -> CPU list, e.g. {"prefill": "0"}
@@ -135,10 +142,13 @@ def plan(topo: Topology) -> list[ServiceSpec]:
     for role in ("prefill", "decode", "colocated"):
         for i in range(getattr(topo, role)):
             port = topo.ports(role, i)
-            prefix = "DECODE" if role == "colocated" else role.upper()
+            mixed = topo.mixed and role != "colocated"
+            prefix = "MIXED" if mixed else "DECODE" if role == "colocated" else role.upper()
             env = {**common, f"BATON_{prefix}_PORT": str(port), **advertise(prefix)}
             if role == "colocated":
                 env["BATON_DECODE_COLOCATED"] = "true"
+            if mixed:
+                env["BATON_MIXED_HOME"] = role
             if role in topo.cpus:
                 env["BATON_CPUS"] = topo.cpus[role]
             if role in topo.engine_cpus:
@@ -149,7 +159,7 @@ def plan(topo: Topology) -> list[ServiceSpec]:
                 env["BATON_MAX_THREADS"] = str(topo.max_threads)
             if topo.kv_cache_gb:
                 env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)
-            specs.append(ServiceSpec(f"{role}-{i}", role, env, port))
+            specs.append(ServiceSpec(f"{role}-{i}", role, env, port, mixed=mixed))
     env = {**common, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
     if topo.colocated:
         env["BATON_GATEWAY_MODE"] = "colocated"

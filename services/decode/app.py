@@ -15,7 +15,7 @@ from shared.serving.protocol import DecodeRequest, FirstToken, PrefillRequest
 from shared.serving.worker import bind_request_id, create_worker_app, stream_events
 
 
-def _routes(app: FastAPI, decoder: Decoder) -> None:
+def decode_routes(app: FastAPI, decoder: Decoder) -> None:
     @app.post("/v1/decode")
     async def decode(body: DecodeRequest, request: Request) -> Response:
         bind_request_id(request)
@@ -41,4 +41,4 @@ def _colocated_routes(app: FastAPI, worker: Colocated) -> None:
 def create_app(settings: DecodeSettings, baton: BatonSettings) -> FastAPI:
     if settings.colocated:
         return create_worker_app(Colocated(settings, baton), "Baton colocated", _colocated_routes)
-    return create_worker_app(Decoder(settings, baton), "Baton decode", _routes)
+    return create_worker_app(Decoder(settings, baton), "Baton decode", decode_routes)

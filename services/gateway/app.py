@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from services.gateway.completion import serve
 from services.gateway.decode_session import FailoverPolicy
 from services.gateway.handoff import Handoff
+from services.gateway.lending import LendPolicy
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_schema import (
     ChatCompletion,
@@ -80,6 +81,7 @@ class Gateway:
             balance_tokens=settings.balance_tokens,
             index=index,
             reap_s=settings.reap_s,
+            lend=LendPolicy(settings.lend_prefill_tokens, settings.lend_decode_running),
         )
         self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
         self.http = httpx.AsyncClient(  # internal calls: they present the cluster secret
@@ -242,12 +244,12 @@ class Gateway:
                 429, "too many requests in flight; retry later", code="overloaded", headers=retry
             )
         for role in self.roles:
-            if not self.router.live(role):
+            if not self.router.candidates(role):
                 raise ServiceError(
                     503, f"no live {role} instance is available", code="no_live_instance"
                 )
         first_role = self.roles[0]
-        pending = [self.router.score(m, first_role) for m in self.router.live(first_role)]
+        pending = [self.router.score(m, first_role) for m in self.router.candidates(first_role)]
         if (
             min(pending) + len(prepared.prompt) * prepared.n
             > self.settings.max_pending_prompt_tokens
@@ -288,6 +290,8 @@ class Gateway:
         for role, depth in self.router.queue_depths().items():
             self.metrics.queue.labels(role).set(depth)
             self.metrics.live.labels(role).set(len(self.router.live(role)))
+        for role, n in self.router.lent().items():
+            self.metrics.lent.labels(role).set(n)
 
 
 def invalid_body(exc: ValidationError) -> ServiceError:
@@ -376,7 +380,7 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
     async def ready(request: Request) -> JSONResponse:
         gw = gateway(request)
         live = {role: len(gw.router.live(role)) for role in gw.roles}
-        up = all(live.values())
+        up = all(gw.router.candidates(role) for role in gw.roles)  # mixed ones may stand in
         body = {"status": "ready" if up else "waiting", "redis": gw.router.redis_ok, **live}
         return JSONResponse(body, status_code=200 if up else 503)
 

@@ -145,7 +145,7 @@ class DecodeSession:
             yield Token(event.token, event.finish_reason)
 
     def _alive(self) -> bool:
-        return self.router.registered("decode", self.pick.member.instance_id)
+        return self.router.registered(self.pick.member.role, self.pick.member.instance_id)
 
     async def _resume(self, stop: _Interrupted) -> None:
         """Continue on another decode instance from the stored KV."""

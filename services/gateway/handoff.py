@@ -114,6 +114,7 @@ class Handoff:
         cost: int,
         hits: PrefixHits,
         exclude: set[str] | None = None,
+        alongside: Pick | None = None,
     ) -> tuple[Pick, WorkerStream, Accepted]:
         """Open ``path`` on an instance of ``role`` and wait for ``accepted``. An instance
         that refuses the connection or is draining is benched and another tried (nothing
@@ -121,7 +122,7 @@ class Handoff:
         tried: set[str] = set(exclude or ())
         dropped: set[str] = set()  # instances that dropped a reused connection once
         for attempt in range(self.attempts):
-            pick = self.router.pick(role, cost, tried, hits)
+            pick = self.router.pick(role, cost, tried, hits, alongside)
             instance = pick.member.instance_id
             try:
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
@@ -172,7 +173,13 @@ class Handoff:
                 body = DecodeRequest(**prefill_body.model_dump(), kv_ids=accepted.kv_ids)
                 # once accepted, decode reserves KV pool space and pulls from the store
                 started.decode_pick, started.decode, _ = await self._open(
-                    "decode", "/v1/decode", body.model_dump_json(), request_id, 1, hits
+                    "decode",
+                    "/v1/decode",
+                    body.model_dump_json(),
+                    request_id,
+                    1,
+                    hits,
+                    alongside=prefill_pick,
                 )
             first = await prefill.next()
             if not isinstance(first, FirstTokenEvent):

@@ -81,6 +81,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.live = Gauge("baton_live_instances", "Live instances per role", ["role"], registry=r)
+        self.lent = Gauge(
+            "baton_lent_instances",
+            "Mixed instances of the other role serving this role at the moment",
+            ["role"],
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "baton_prompt_cached_tokens", "Prompt tokens whose KV was reused", registry=r
         )

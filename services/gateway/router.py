@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.gateway.lending import LendPolicy, other_role, serving
 from services.gateway.prefix_locator import NO_HITS, STORE_ROLE, PrefixHits
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
@@ -42,6 +43,7 @@ from shared.serving.errors import ServiceError
 log = logging.getLogger(__name__)
 ROUTED = ("prefill", "decode", "colocated")
 ROLES = (*ROUTED, STORE_ROLE)
+LENDING_ROLES = ("prefill", "decode")  # mixed instances serve either
 # what the queues count per role
 LOAD_KEYS = {"prefill": "pending_tokens", "decode": "running", "colocated": "pending_tokens"}
 BENCH_S = 5.0
@@ -56,6 +58,7 @@ class Pick:
     """One routing choice; ``done`` returns this gateway's share of the load."""
 
     member: Member
+    role: str  # the role it serves this request in (a mixed instance may be lent)
     cost: float
     router: Router
     predicted_cached: int = 0  # prompt tokens the instance should not have to compute
@@ -68,7 +71,7 @@ class Pick:
 
     def done(self) -> None:
         if self.cost:
-            self.router.local[self.member.instance_id] -= self.cost
+            self.router.local[(self.role, self.member.instance_id)] -= self.cost
             self.cost = 0.0
         if self.finished_at is None:
             self.finished_at = time.monotonic()
@@ -85,6 +88,7 @@ class Router:
         balance_tokens: float = 4096.0,
         index: BlockIndex | None = None,
         reap_s: float = 10.0,
+        lend: LendPolicy | None = None,
     ):
         self.redis = redis
         self.keys = keys
@@ -94,7 +98,9 @@ class Router:
         self.index = index
         self.reap_s = reap_s
         self.members: dict[str, list[Member]] = {r: [] for r in ROLES}
-        self.local: defaultdict[str, float] = defaultdict(float)
+        self.lend = lend or LendPolicy()
+        # (role, instance id) -> what this gateway sent there since its last report
+        self.local: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.picked: defaultdict[str, int] = defaultdict(int)  # ties go to the least picked
         self.in_flight: defaultdict[str, list[Pick]] = defaultdict(list)  # prefill picks
         self.benched: dict[str, float] = {}
@@ -118,7 +124,9 @@ class Router:
         namespaces = {m.kv_namespace for m in workers}
         if len(namespaces) > 1:
             log.warning("workers disagree on the KV layout: %s", sorted(map(str, namespaces)))
-        prompt_role = self.members["prefill"] or self.members["colocated"]
+        prompt_role = (
+            self.members["prefill"] or self.members["colocated"] or self.members["decode"]
+        )
         if prompt_role:
             self.kv_namespace = prompt_role[0].kv_namespace
             self.block_size = prompt_role[0].block_size
@@ -185,7 +193,31 @@ class Router:
 
     def score(self, member: Member, role: str) -> float:
         """Published load plus what this gateway sent there since."""
-        return member.load.get(LOAD_KEYS[role], 0.0) + self.local[member.instance_id]
+        return member.load.get(LOAD_KEYS[role], 0.0) + self.local[(role, member.instance_id)]
+
+    def candidates(self, role: str, alongside: Pick | None = None) -> list[Member]:
+        """``role``'s live instances, plus the other role's mixed instances the lending
+        policy lets take this request (see :mod:`services.gateway.lending`);
+        ``alongside``: this request's own pick in the other role, which does not count
+        against that instance's own queue."""
+        own = self.live(role)
+        if role not in LENDING_ROLES:
+            return own
+
+        def score(member: Member, r: str) -> float:
+            s = self.score(member, r)
+            if alongside and (alongside.role, alongside.member.instance_id) == (
+                r,
+                member.instance_id,
+            ):
+                s -= alongside.cost
+            return s
+
+        return own + self.lend.lendable(role, own, self.live(other_role(role)), score)
+
+    def lent(self) -> dict[str, int]:
+        """Per role: the other role's instances serving it at the moment."""
+        return {r: serving(self.live(other_role(r)), r) for r in LENDING_ROLES}
 
     def pick(
         self,
@@ -193,12 +225,13 @@ class Router:
         cost: int,
         exclude: set[str] | None = None,
         hits: PrefixHits = NO_HITS,
+        alongside: Pick | None = None,
     ) -> Pick:
         """Prefill (and colocated): ``cost`` is the prompt's length; the cheapest instance
         within the balance bound. Decode: ``cost`` = 1; the least loaded. Raises 503
         when none is live."""
         excluded = exclude or set()
-        members = [m for m in self.live(role) if m.instance_id not in excluded]
+        members = [m for m in self.candidates(role, alongside) if m.instance_id not in excluded]
         if not members:
             raise ServiceError(
                 503, f"no live {role} instance is available", code="no_live_instance"
@@ -212,9 +245,9 @@ class Router:
                     self.picked[m.instance_id],
                 ),
             )
-            self.local[best.instance_id] += cost
+            self.local[(role, best.instance_id)] += cost
             self.picked[best.instance_id] += 1
-            return Pick(best, float(cost), self)
+            return Pick(best, role, float(cost), self)
         return self._pick_prompt(role, members, cost, hits)
 
     def _pick_prompt(self, role: str, members: list[Member], n: int, hits: PrefixHits) -> Pick:
@@ -237,9 +270,9 @@ class Router:
         if self.block_size:  # reuse comes in whole blocks
             cached = cached // self.block_size * self.block_size
         work = n - cached
-        self.local[best.instance_id] += work
+        self.local[(role, best.instance_id)] += work
         self.picked[best.instance_id] += 1
-        pick = Pick(best, float(work), self, predicted_cached=cached, keys=hits.keys)
+        pick = Pick(best, role, float(work), self, predicted_cached=cached, keys=hits.keys)
         self.in_flight[best.instance_id].append(pick)
         return pick
 

@@ -12,7 +12,7 @@ from shared.serving.protocol import PrefillRequest
 from shared.serving.worker import bind_request_id, create_worker_app, stream_events
 
 
-def _routes(app: FastAPI, prefiller: Prefiller) -> None:
+def prefill_routes(app: FastAPI, prefiller: Prefiller) -> None:
     @app.post("/v1/prefill")
     async def prefill(body: PrefillRequest, request: Request) -> Response:
         bind_request_id(request)
@@ -20,4 +20,4 @@ def _routes(app: FastAPI, prefiller: Prefiller) -> None:
 
 
 def create_app(settings: PrefillSettings, baton: BatonSettings) -> FastAPI:
-    return create_worker_app(Prefiller(settings, baton), "Baton prefill", _routes)
+    return create_worker_app(Prefiller(settings, baton), "Baton prefill", prefill_routes)

@@ -120,6 +120,20 @@ def test_only_prefill_gets_elastic_threads() -> None:
     assert env["decode"]["BATON_NUM_THREADS"] == "1" and "BATON_MAX_THREADS" not in env["decode"]
 
 
+def test_mixed_runs_every_worker_as_a_mixed_instance_of_its_home_role() -> None:
+    specs = plan(Topology(redis_url="redis://r:1/0", prefill=1, decode=2, mixed=True))
+    workers = [s for s in specs if s.role in ("prefill", "decode")]
+    assert [(s.name, s.module) for s in workers] == [
+        ("prefill-0", "services.mixed"),
+        ("decode-0", "services.mixed"),
+        ("decode-1", "services.mixed"),
+    ]
+    for s in workers:
+        assert s.env["BATON_MIXED_HOME"] == s.role
+        assert s.env["BATON_MIXED_PORT"] == str(s.http_port)
+    assert {s.module for s in specs if s.role == "kvstore"} == {"services.kvstore"}
+
+
 def test_no_prefix_cache_reaches_every_service() -> None:
     """``baton up --no-prefix-cache``: no worker reuses KV and the gateway routes without
     the prompt index (the baseline caching is measured against)."""

@@ -1,0 +1,78 @@
+"""When the gateway lends a mixed instance to the other role (Splitwise's mixed pool).
+
+A mixed instance (``services.mixed``) registers as its home role and can serve the
+other one too. The gateway sends it the other role's work only while
+
+- the other role is over its bound: every instance of that role's own has more
+  queued prompt tokens than ``prefill_tokens`` (prefill), or runs at least
+  ``decode_running`` streams or has requests waiting for KV space (decode); and
+- the mixed instance's own queue is empty: no prompt tokens queued (a prefill
+  instance; the prompt of the request being placed, if it is computing there, does
+  not count), no request waiting for KV and fewer than ``decode_running`` streams
+  (a decode instance);
+
+or while that role has no instance of its own left (then every mixed one serves it).
+
+It gives the instance back as soon as either stops being true: the next request of
+the other role goes elsewhere, and work already there finishes there. Pure logic on
+the published loads plus this gateway's own picks (``score``), so it is tested
+without a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from shared.cluster.membership import Member
+
+Score = Callable[[Member, str], float]  # (member, role) -> its queue in that role's units
+
+
+def other_role(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"
+
+
+@dataclass(frozen=True)
+class LendPolicy:
+    prefill_tokens: float = 2048.0
+    decode_running: float = 32.0
+
+    def over_bound(self, role: str, own: Sequence[Member], score: Score) -> bool:
+        """Whether ``role``'s own instances are all past its bound (or there are none)."""
+        return all(self._busy(role, m, score) for m in own)
+
+    def idle_for_own_role(self, member: Member, score: Score) -> bool:
+        """Whether a mixed instance's own queue is empty, so it may be lent."""
+        if not member.load.get("mixed"):
+            return False
+        if member.role == "prefill":
+            return score(member, "prefill") <= 0.0
+        return member.load.get("waiting_kv", 0.0) <= 0.0 and (
+            score(member, "decode") < self.decode_running
+        )
+
+    def lendable(
+        self, role: str, own: Sequence[Member], others: Sequence[Member], score: Score
+    ) -> list[Member]:
+        """The other role's mixed instances that may take ``role``'s next request: all of
+        them when ``role`` has no instance of its own left."""
+        mixed = [m for m in others if m.load.get("mixed")]
+        if not own:
+            return mixed
+        if not mixed or not self.over_bound(role, own, score):
+            return []
+        return [m for m in mixed if self.idle_for_own_role(m, score)]
+
+    def _busy(self, role: str, member: Member, score: Score) -> bool:
+        if role == "prefill":
+            return score(member, "prefill") > self.prefill_tokens
+        return (
+            member.load.get("waiting_kv", 0.0) > 0.0
+            or score(member, "decode") >= self.decode_running
+        )
+
+
+def serving(members: Sequence[Member], role: str) -> int:
+    """How many of ``members`` (the other role's) serve ``role`` at the moment."""
+    return sum(1 for m in members if m.load.get(f"serving_{role}", 0.0) > 0.0)

@@ -1,0 +1,91 @@
+"""A mixed-pool instance: one engine that serves prefill and decode (Splitwise's mixed
+pool).
+
+It registers as its home role (``BATON_MIXED_HOME``) and serves both APIs on one
+port: ``POST /v1/prefill`` as a prefill instance does and ``POST /v1/decode`` as a
+decode instance does, over one engine and one KV-store connector, so a prompt
+chunk and running streams share its steps (chunked, so a stream's token waits for
+at most one chunk). Which work it gets is the gateway's choice
+(:mod:`services.gateway.router`): its home role's, and the other role's while its
+own queue is empty and the other role's is over its bound. Its load report says
+what it is serving at the moment (``serving_prefill``: prompts here,
+``serving_decode``: streams here).
+
+A request prefilled and decoded here runs as two engine requests (the prefill one
+under ``<id>#prefill``); the decode one reuses the prompt's blocks from this pool
+once the prefill has cached them, else it loads them from the store like any
+decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from pydantic import BaseModel
+
+from services.decode.decoder import Decoder
+from services.mixed.settings import MixedSettings
+from services.prefill.prefiller import Prefiller
+from shared.cluster.watermarks import Watermarks
+from shared.config import BatonSettings
+from shared.kvstore.connector import KVStoreConnector
+from shared.serving.protocol import DecodeRequest, PrefillRequest
+
+PREFILL_TAG = "#prefill"
+
+
+def prefill_id(request_id: str) -> str:
+    """The engine request id of a prompt prefilled on a mixed instance."""
+    return request_id + PREFILL_TAG
+
+
+class Mixed(Prefiller, Decoder):
+    settings: MixedSettings
+
+    def __init__(self, settings: MixedSettings, baton: BatonSettings):
+        self.role = settings.home  # registration, metrics and ids use the home role
+        super().__init__(settings, baton)
+
+    def make_connector(self) -> KVStoreConnector:
+        connector = KVStoreConnector(
+            self.kv,
+            self.connector_metrics,
+            caching=self.caching,
+            pull_policy=self.settings.pull_policy,
+            put_ttl_s=self.settings.put_ttl_s,
+            replicate=self.settings.replicate,
+        )
+        if self.settings.replicate:
+            connector.tasks.watermarks = Watermarks(self.redis, self.keys)
+        connector.tasks.instance_id = self.instance_id
+        return connector
+
+    def _prefilling(self) -> int:
+        return sum(1 for rid in self.in_flight if rid.endswith(PREFILL_TAG))
+
+    def load(self) -> dict[str, float]:
+        prompts = self._prefilling()
+        streams = len(self.in_flight) - prompts
+        return {
+            **Decoder.load(self),
+            **Prefiller.load(self),
+            "jobs": float(prompts),
+            "mixed": 1.0,
+            "serving_prefill": float(prompts),
+            "serving_decode": float(streams),
+        }
+
+    def release_requests(self) -> None:
+        """Draining: streams move to another decode instance; prompts finish here."""
+        for rid in list(self.in_flight):
+            if not rid.endswith(PREFILL_TAG):
+                self.loop.interrupt(rid)
+
+    async def run(self, body: PrefillRequest | DecodeRequest) -> AsyncGenerator[BaseModel, None]:
+        if isinstance(body, DecodeRequest):
+            async for event in Decoder.run(self, body):
+                yield event
+            return
+        tagged = body.model_copy(update={"request_id": prefill_id(body.request_id)})
+        async for event in Prefiller.run(self, tagged):
+            yield event

@@ -1,0 +1,87 @@
+"""The mixed pool's lending policy (pure): a mixed instance whose own queue is empty
+takes the other role's work only while that role is over its bound, and the router
+offers it (and gives it back) accordingly."""
+
+from __future__ import annotations
+
+from services.gateway.lending import LendPolicy, serving
+from services.gateway.router import Router
+from shared.cluster.keys import Keys
+from shared.cluster.membership import Member
+
+POLICY = LendPolicy(prefill_tokens=1000.0, decode_running=4.0)
+
+
+def member(role: str, name: str, mixed: bool = True, **load: float) -> Member:
+    load = {"mixed": 1.0, **load} if mixed else load
+    return Member(
+        instance_id=name, role=role, host="127.0.0.1", http_port=1, model="m",
+        kv_namespace="ns", load=load,
+    )  # fmt: skip
+
+
+def published(m: Member, role: str) -> float:
+    return m.load.get("pending_tokens" if role == "prefill" else "running", 0.0)
+
+
+def router(prefill: list[Member], decode: list[Member]) -> Router:
+    r = Router(redis=None, keys=Keys("t"), model="m", refresh_s=1.0, lend=POLICY)  # type: ignore[arg-type]
+    r.members = {"prefill": prefill, "decode": decode, "colocated": [], "kvstore": []}
+    r.kv_namespace = "ns"
+    return r
+
+
+def test_prefill_over_its_bound_borrows_an_idle_decode_instance() -> None:
+    p = member("prefill", "p", pending_tokens=1500)
+    idle, busy = member("decode", "d1", running=1), member("decode", "d2", running=4)
+    waiting = member("decode", "d3", running=0, waiting_kv=1)
+    assert POLICY.lendable("prefill", [p], [idle, busy, waiting], published) == [idle]
+    calm = member("prefill", "p", pending_tokens=900)
+    assert POLICY.lendable("prefill", [calm], [idle], published) == []
+
+
+def test_only_mixed_instances_are_lent() -> None:
+    p = member("prefill", "p", pending_tokens=5000)
+    plain = member("decode", "d", mixed=False)
+    assert POLICY.lendable("prefill", [p], [plain], published) == []
+
+
+def test_decode_over_its_bound_borrows_a_prefill_instance_with_nothing_queued() -> None:
+    full, waiting = member("decode", "d1", running=4), member("decode", "d2", waiting_kv=2)
+    empty, queued = member("prefill", "p1"), member("prefill", "p2", pending_tokens=10)
+    assert POLICY.lendable("decode", [full, waiting], [empty, queued], published) == [empty]
+    room = member("decode", "d3", running=3)
+    assert POLICY.lendable("decode", [full, room], [empty], published) == []
+
+
+def test_a_role_with_no_instance_left_takes_every_mixed_one() -> None:
+    busy = member("prefill", "p", pending_tokens=10)
+    assert POLICY.lendable("decode", [], [busy], published) == [busy]
+
+
+def test_the_router_lends_and_gives_back_as_queues_change() -> None:
+    r = router([member("prefill", "p", pending_tokens=1500)], [member("decode", "d")])
+    lent = r.pick("prefill", 100)
+    assert (lent.member.instance_id, lent.role) == ("d", "prefill")
+    # d's own role: its share of this gateway's prompt work is not decode work
+    assert r.score(lent.member, "decode") == 0.0
+    r.members["decode"] = [member("decode", "d", waiting_kv=1)]  # its own queue grew
+    assert r.pick("prefill", 100).member.instance_id == "p"
+
+
+def test_a_request_prefilled_on_a_mixed_instance_may_decode_there() -> None:
+    r = router([member("prefill", "p")], [member("decode", "d", running=4)])
+    prefill = r.pick("prefill", 500)
+    assert prefill.member.instance_id == "p"
+    # p's queue holds only this request's prompt: it does not count against lending
+    decode = r.pick("decode", 1, alongside=prefill)
+    assert (decode.member.instance_id, decode.role) == ("p", "decode")
+    other = r.pick("prefill", 500)
+    assert r.pick("decode", 1, alongside=other).member.instance_id == "d"  # p has a queue
+
+
+def test_load_reports_say_what_each_instance_serves() -> None:
+    lent = member("decode", "d", serving_prefill=2.0, serving_decode=3.0)
+    assert serving([lent, member("decode", "e", serving_decode=1.0)], "prefill") == 1
+    r = router([member("prefill", "p")], [lent])
+    assert r.lent() == {"prefill": 1, "decode": 0}

@@ -1,0 +1,77 @@
+"""A mixed pool on real services: two mixed instances (one prefill-home, one decode-home)
+serve the same tokens as the in-process engine; with its decode-home instance gone,
+the prefill-home one serves whole requests itself (prefill and decode of one
+request on one engine) and says so in its load report and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.engine.sampling_params import SamplingParams
+from tests.conftest import EngineFactory
+from tests.services.conftest import MODEL, serving_reference, start_cluster
+
+PROMPTS = [[150 + (i * 53 + j) % 9000 for j in range(30 + 61 * i)] for i in range(4)]
+SEEDS = [None, 7, None, 11]
+
+
+async def complete(url: str, prompts: list[list[int]], seeds: list[int | None]) -> list[list[int]]:
+    async def one(client: httpx.AsyncClient, prompt: list[int], seed: int | None) -> list[int]:
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0.0 if seed is None else 0.8,
+            "seed": seed,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        return list(
+            await asyncio.gather(*(one(client, p, s) for p, s in zip(prompts, seeds, strict=True)))
+        )
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_mixed_pool_serves_the_same_tokens_and_covers_a_missing_role(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    local = start_cluster(tmp_path, prefill=1, decode=1, mixed=True)
+    try:
+        url = local.gateway_url
+        both = asyncio.run(complete(url, PROMPTS, SEEDS))
+        local.procs["decode-0"].stop()  # drains and leaves membership
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/ready", timeout=5).json().get("decode") != 0:
+            assert time.monotonic() < deadline, "the gateway still lists decode-0"
+            time.sleep(0.2)
+        assert httpx.get(url + "/ready", timeout=5).status_code == 200  # prefill-0 stands in
+        prefill = next(s for s in local.specs if s.name == "prefill-0")
+        base = f"http://127.0.0.1:{prefill.http_port}"
+        decoded_before = metric(base, "baton_decode_join_wait_seconds_count")
+        alone = asyncio.run(complete(url, PROMPTS[:3], SEEDS[:3]))
+        assert metric(base, "baton_decode_join_wait_seconds_count") == decoded_before + 3
+        stats = httpx.get(base + "/stats", timeout=5).json()
+        assert stats["mixed"] == 1.0 and stats["serving_decode"] == 0.0  # all finished
+    finally:
+        local.stop()
+    engine = serving_reference(make_engine)
+    for prompt, seed, tokens in zip(
+        PROMPTS + PROMPTS[:3], SEEDS + SEEDS[:3], both + alone, strict=True
+    ):
+        params = SamplingParams(
+            max_tokens=12, temperature=0.0 if seed is None else 0.8, seed=seed, ignore_eos=True
+        )
+        assert tokens == engine.generate([prompt], params)[0].token_ids
