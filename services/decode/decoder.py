@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from services.decode.settings import DecodeSettings
+from services.decode.settings import DecodeRoleSettings
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
 from shared.engine.engine_loop import StreamInterrupted
@@ -57,10 +57,10 @@ class DecodeMetrics:
 
 
 class Decoder(Worker):
-    settings: DecodeSettings
+    settings: DecodeRoleSettings
     role = "decode"
 
-    def __init__(self, settings: DecodeSettings, baton: BatonSettings):
+    def __init__(self, settings: DecodeRoleSettings, baton: BatonSettings):
         super().__init__(settings, baton)
         self.first_tokens: dict[str, asyncio.Future[WireToken]] = {}
         self.decode_metrics = DecodeMetrics(self.metrics)

@@ -124,9 +124,7 @@ class Router:
         namespaces = {m.kv_namespace for m in workers}
         if len(namespaces) > 1:
             log.warning("workers disagree on the KV layout: %s", sorted(map(str, namespaces)))
-        prompt_role = (
-            self.members["prefill"] or self.members["colocated"] or self.members["decode"]
-        )
+        prompt_role = self.members["prefill"] or self.members["colocated"] or self.members["decode"]
         if prompt_role:
             self.kv_namespace = prompt_role[0].kv_namespace
             self.block_size = prompt_role[0].block_size

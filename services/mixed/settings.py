@@ -10,11 +10,11 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.decode.settings import DecodeSettings
+from services.decode.settings import DecodeRoleSettings
 from services.prefill.settings import PrefillSettings
 
 
-class MixedSettings(PrefillSettings, DecodeSettings):
+class MixedSettings(PrefillSettings, DecodeRoleSettings):
     model_config = SettingsConfigDict(env_prefix="BATON_MIXED_", extra="ignore")
 
     port: int = Field(default=8500, ge=0, le=65535)

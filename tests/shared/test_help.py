@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings
 from services.decode.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
 from services.kvstore.settings import KVStoreSettings
+from services.mixed.settings import MixedSettings
 from services.prefill.settings import PrefillSettings
 from shared.cli import build_parser, parsers
 from shared.config import BatonSettings
@@ -63,6 +64,7 @@ def test_baton_up_help_takes_its_defaults_from_the_settings_tree() -> None:
         ("kvstore", KVStoreSettings),
         ("prefill", PrefillSettings),
         ("decode", DecodeSettings),
+        ("mixed", MixedSettings),
         ("gateway", GatewaySettings),
     ],
 )
