@@ -35,7 +35,7 @@ def other_role(role: str) -> str:
 
 @dataclass(frozen=True)
 class LendPolicy:
-    prefill_tokens: float = 2048.0
+    prefill_tokens: float = 512.0
     decode_running: float = 32.0
 
     def over_bound(self, role: str, own: Sequence[Member], score: Score) -> bool:

@@ -40,7 +40,7 @@ class GatewaySettings(BaseSettings):
     # mixed pool (baton up --mixed): a mixed instance whose own queue is empty takes the
     # other role's work while every instance of that role has more than this many prompt
     # tokens queued (prefill) or runs this many streams or waits for KV space (decode)
-    lend_prefill_tokens: float = Field(default=2048.0, ge=0)
+    lend_prefill_tokens: float = Field(default=512.0, ge=0)
     lend_decode_running: float = Field(default=32.0, ge=1)
     # scope every request's cache_salt to its API key: tenants never share KV blocks
     cache_salt_by_api_key: bool = False
