@@ -19,9 +19,23 @@ async def cluster_members(redis: aioredis.Redis, keys: Keys) -> list[Member]:
     return [m for role in STATUS_ROLES for m in await live_members(redis, keys, role)]
 
 
+def _role(member: Member) -> str:
+    """The registered role; a mixed instance adds what it serves at the moment."""
+    load = member.load
+    if not load.get("mixed"):
+        return member.role
+    serving = [r for r in ("prefill", "decode") if load.get(f"serving_{r}", 0.0) > 0.0]
+    return f"{member.role} (mixed: {'+'.join(serving) or 'idle'})"
+
+
 def _load(member: Member) -> str:
     load = member.load
-    if member.role == "prefill":
+    if load.get("mixed"):
+        text = (
+            f"{load.get('jobs', 0):.0f} jobs, {load.get('pending_tokens', 0):.0f} tok queued, "
+            f"{load.get('running', 0):.0f} running, {load.get('waiting_kv', 0):.0f} waiting"
+        )
+    elif member.role == "prefill":
         text = f"{load.get('jobs', 0):.0f} jobs, {load.get('pending_tokens', 0):.0f} tok queued"
     elif member.role in ("decode", "colocated"):
         text = f"{load.get('running', 0):.0f} running, {load.get('waiting_kv', 0):.0f} waiting"
@@ -44,7 +58,7 @@ def row(member: Member, now: float) -> tuple[str, ...]:
     age = f"{max(0.0, now - member.heartbeat_at):.1f}s ago" if member.heartbeat_at else "-"
     return (
         member.instance_id,
-        member.role,
+        _role(member),
         f"{member.host}:{member.http_port}"
         + (f" (data {member.data_port})" if member.data_port else ""),
         member.dtype or "-",

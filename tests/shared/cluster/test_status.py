@@ -41,6 +41,19 @@ def test_rows_show_load_usage_hits_and_heartbeat_age() -> None:
     assert cells[4] == "10 blocks, 256/1024 MiB" and cells[5] == "25%"
 
 
+def test_a_mixed_instance_shows_what_it_serves_now() -> None:
+    lent = member(
+        "decode",
+        load={"mixed": 1.0, "serving_prefill": 1.0, "serving_decode": 4.0, "jobs": 1,
+              "pending_tokens": 300, "running": 4},
+    )  # fmt: skip
+    cells = row(lent, now=100.0)
+    assert cells[1] == "decode (mixed: prefill+decode)"
+    assert cells[4] == "1 jobs, 300 tok queued, 4 running, 0 waiting"
+    idle = member("prefill", load={"mixed": 1.0})
+    assert row(idle, now=100.0)[1] == "prefill (mixed: idle)"
+
+
 def test_table_is_aligned_and_says_when_empty() -> None:
     table = render([member("prefill"), member("decode")], now=100.0).splitlines()
     assert len(table) == 3 and table[0].split()[0] == COLUMNS[0]
