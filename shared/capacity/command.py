@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,11 @@ def add_parsers(sub: Any) -> None:
     )
     prof.add_argument("--transport", choices=["tcp", "ucx"], default="tcp", help="KV data plane")
     prof.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
+    prof.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="skip measuring what serving adds to the engine's times (a 1P:1D cluster)",
+    )
     plan = sub.add_parser(
         "plan", help="simulate a workload on candidate deployments and rank them by goodput"
     )
@@ -80,6 +85,10 @@ def run_profile(args: argparse.Namespace) -> int:
     if any(t < 1 for t in threads):
         raise InvalidRequestError("--threads must be at least 1")
     engine = Engine.from_config(settings.engine_config(), cache_dir=settings.cache_dir)
+
+    def say(line: str) -> None:
+        print(f"baton profile: {line}", file=sys.stderr, flush=True)
+
     quick = {
         "prefill_tokens": (128, 512, 2048),
         "decode_batches": (1, 8, 32),
@@ -91,9 +100,24 @@ def run_profile(args: argparse.Namespace) -> int:
         engine,
         threads=threads,
         transport=args.transport,
-        progress=lambda line: print(f"baton profile: {line}", file=sys.stderr, flush=True),
+        progress=say,
         **(quick if args.quick else {}),  # type: ignore[arg-type]
     )
+    if not args.engine_only:
+        from shared.capacity.overhead import QUICK, Points, measure_overhead
+
+        overhead = measure_overhead(
+            profile,
+            model=args.model,
+            dtype=args.dtype,
+            points=QUICK if args.quick else Points(),
+            progress=say,
+        )
+        profile = replace(profile, overhead=overhead)
+        say(
+            f"serving adds {overhead.request_s * 1e3:.0f} ms per prompt and "
+            f"{overhead.step_s * 1e3:.1f} + {overhead.token_s * 1e3:.2f} ms/stream per decode step"
+        )
     out = args.out or default_profile_path(settings.cache_dir)
     profile.save(out)
     print(f"baton profile: {len(profile.prefill)} prefill and {len(profile.decode)} decode points")

@@ -47,6 +47,18 @@ class DecodePoint:
 
 
 @dataclass(frozen=True)
+class ServiceOverhead:
+    """Time serving adds to the engine's steps (see :mod:`shared.capacity.overhead`)."""
+
+    request_s: float = 0.0  # per prompt, on top of its prefill compute
+    step_s: float = 0.0  # per decode step
+    token_s: float = 0.0  # per token of a decode step
+
+    def decode_step_s(self, batch: int) -> float:
+        return max(0.0, self.step_s + self.token_s * batch)
+
+
+@dataclass(frozen=True)
 class Profile:
     model: str
     dtype: str
@@ -58,6 +70,7 @@ class Profile:
     decode: tuple[DecodePoint, ...]
     measured_at: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    overhead: ServiceOverhead = ServiceOverhead()  # zero: engine times only
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -133,6 +146,7 @@ def load(path: Path) -> Profile:
             decode=tuple(DecodePoint(**p) for p in body["decode"]),
             measured_at=str(body.get("measured_at", "")),
             notes=dict(body.get("notes", {})),
+            overhead=ServiceOverhead(**body.get("overhead", {})),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{path}: malformed profile: {exc!r}") from exc

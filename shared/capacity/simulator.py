@@ -21,6 +21,9 @@ What is modelled, per instance:
   batches of at most ``max_seqs`` requests; a step lasts the profile's decode
   time for its batch size and summed context, and gives every request in it
   one token.
+- **Serving overhead**: what the profile measured serving adds beyond the
+  engine (:mod:`shared.capacity.overhead`): per prompt at its last prefill
+  step, and per decode step by its batch size.
 - **Cores**: instances share the ``cores`` given as a processor-sharing
   system: while more threads compute than there are cores, every running step
   progresses at cores / threads of its full speed (time slicing), and speeds
@@ -213,15 +216,18 @@ def simulate(
         if inst.busy or not inst.queue:
             return
         budget, tokens, load, batch = deployment.max_batched_tokens, 0, 0, []
+        ending = 0  # prompts whose last chunk this is
         for req in inst.queue:
             if budget <= 0:
                 break
             take = min(req.to_compute, budget)
             batch.append((req, take))
+            ending += take == req.to_compute
             tokens, budget = tokens + take, budget - take
             load += req.load_bytes
             req.load_bytes = 0
         seconds = profile.prefill_seconds(tokens, inst.threads) + load / profile.transfer_bytes_s
+        seconds += ending * profile.overhead.request_s
         inst.busy = True
         cpu.start(inst.threads, seconds, lambda: end_prefill(inst, batch))
 
@@ -260,6 +266,7 @@ def simulate(
             return
         context = sum(r.spec.input_len + r.generated for r in dec.running)
         seconds = profile.decode_seconds(len(dec.running), context, dec.threads)
+        seconds += profile.overhead.decode_step_s(len(dec.running))
         dec.busy = True
         cpu.start(dec.threads, seconds, lambda: end_decode(dec))
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from shared.capacity.profile import DecodePoint, PrefillPoint, Profile, ProfileError, load
+from shared.capacity.profile import (
+    DecodePoint,
+    PrefillPoint,
+    Profile,
+    ProfileError,
+    ServiceOverhead,
+    load,
+)
 from tests.shared.capacity.fake_profile import linear_profile
 
 
@@ -29,10 +37,11 @@ def test_decode_fit_recovers_the_step_time_model() -> None:
 
 
 def test_saved_profiles_load_back_and_bad_files_are_refused(tmp_path: Path) -> None:
-    p = linear_profile()
+    p = replace(linear_profile(), overhead=ServiceOverhead(0.05, 0.002, 0.0005))
     p.save(tmp_path / "p.json")
     back = load(tmp_path / "p.json")
     assert back.prefill == p.prefill and back.decode == p.decode
+    assert back.overhead == p.overhead
     assert back.prefill_seconds(700, 1) == p.prefill_seconds(700, 1)
     (tmp_path / "old.json").write_text('{"version": 0}')
     with pytest.raises(ProfileError, match="version-1"):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from shared.capacity.profile import ServiceOverhead
 from shared.capacity.simulator import Deployment, SimRequest, simulate
 from tests.shared.capacity.fake_profile import linear_profile
 
@@ -17,6 +20,14 @@ def test_one_request_prefills_then_decodes_one_token_per_step() -> None:
     assert o.ttft_s == pytest.approx(0.512)
     assert o.tpot_s == pytest.approx(0.01, rel=1e-3)  # 10 decode steps of 10 ms
     assert res.duration_s == pytest.approx(0.512 + 0.1, rel=1e-3)
+
+
+def test_serving_overhead_lengthens_each_prompt_and_decode_step() -> None:
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    served = replace(p, overhead=ServiceOverhead(request_s=0.1, step_s=0.002, token_s=0.001))
+    (o,) = simulate([SimRequest(0.0, 512, 11)], ONE, served, cores=2).outcomes
+    assert o.ttft_s == pytest.approx(0.512 + 0.1)
+    assert o.tpot_s == pytest.approx(0.01 + 0.002 + 0.001, rel=1e-3)  # a batch of one
 
 
 def test_prompts_queue_behind_the_token_budget() -> None:

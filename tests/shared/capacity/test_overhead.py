@@ -1,0 +1,35 @@
+"""Serving overhead: the fit from service timings against the profile (pure), and the
+measurement on a real 1P:1D cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.capacity.overhead import Points, fit, measure_overhead
+from tests.shared.capacity.fake_profile import linear_profile
+
+
+def test_fit_charges_what_the_service_adds_to_the_profiles_steps() -> None:
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.001)
+    ttfts = {256: 0.256 + 0.04, 1024: 1.024 + 0.06}  # the median of what serving added
+    # decode steps: 10 ms + 1 ms per stream in the engine; serving adds 3 + 0.5 per stream
+    tpots = {b: (b * 160, 0.01 + 0.001 * b + 0.003 + 0.0005 * b) for b in (1, 8, 16)}
+    o = fit(p, ttfts, tpots)
+    assert o.request_s == pytest.approx(0.05)
+    assert o.step_s == pytest.approx(0.003) and o.token_s == pytest.approx(0.0005)
+    assert o.decode_step_s(4) == pytest.approx(0.005)
+
+
+def test_fit_never_charges_a_negative_time() -> None:
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    o = fit(p, {512: 0.4}, {1: (128, 0.008)})  # faster than the profile: noise
+    assert o.request_s == 0.0 and o.step_s == 0.0 and o.token_s == 0.0
+
+
+def test_measured_on_a_real_cluster() -> None:
+    p = linear_profile(prefill_s_per_token=1e-6, decode_base_s=1e-6, decode_per_seq_s=0.0)
+    points = Points(prompt_tokens=(32,), batches=(1, 2), stream_prompt=16, stream_tokens=6)
+    o = measure_overhead(p, dtype="float32", points=points)
+    # against a near-zero profile, the overhead is the whole service time
+    assert 0.0 < o.request_s < 10.0
+    assert o.decode_step_s(1) > 0.0
