@@ -9,7 +9,8 @@ What is modelled, per instance:
 - **Prefill** instances take requests first come, first served (the router sends
   each to the one with the fewest queued tokens) and batch them into steps of at
   most ``max_batched_tokens`` prompt tokens, chunking a longer prompt. A step
-  lasts the profile's prefill time for its tokens, plus the time to load the
+  lasts the sum of its chunks' costs (a chunk of tokens ``[a, b)`` of a prompt
+  costs the profile's prefill time for ``b`` tokens less that for ``a``), plus the time to load the
   prompt blocks the KV store already holds (prefix-hash workloads: the blocks
   of a prompt's leading ids prefilled before, by any instance, are loaded, not
   computed; the last prompt token is always computed). A
@@ -215,7 +216,7 @@ def simulate(
     def start_prefill(inst: _Instance) -> None:
         if inst.busy or not inst.queue:
             return
-        budget, tokens, load, batch = deployment.max_batched_tokens, 0, 0, []
+        budget, compute_s, load, batch = deployment.max_batched_tokens, 0.0, 0, []
         ending = 0  # prompts whose last chunk this is
         for req in inst.queue:
             if budget <= 0:
@@ -223,11 +224,16 @@ def simulate(
             take = min(req.to_compute, budget)
             batch.append((req, take))
             ending += take == req.to_compute
-            tokens, budget = tokens + take, budget - take
+            budget -= take
+            # a chunk costs what its tokens add along its own prompt's curve (attention
+            # to the tokens before it included); prompts batched together do not attend
+            # to each other, so a batch costs the sum of its prompts' chunks
+            start = req.spec.input_len - req.to_compute
+            compute_s += profile.prefill_seconds(start + take, inst.threads)
+            compute_s -= profile.prefill_seconds(start, inst.threads)
             load += req.load_bytes
             req.load_bytes = 0
-        seconds = profile.prefill_seconds(tokens, inst.threads) + load / profile.transfer_bytes_s
-        seconds += ending * profile.overhead.request_s
+        seconds = compute_s + load / profile.transfer_bytes_s + ending * profile.overhead.request_s
         inst.busy = True
         cpu.start(inst.threads, seconds, lambda: end_prefill(inst, batch))
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from shared.capacity.profile import ServiceOverhead
+from shared.capacity.profile import PrefillPoint, ServiceOverhead
 from shared.capacity.simulator import Deployment, SimRequest, simulate
 from tests.shared.capacity.fake_profile import linear_profile
 
@@ -28,6 +28,20 @@ def test_serving_overhead_lengthens_each_prompt_and_decode_step() -> None:
     (o,) = simulate([SimRequest(0.0, 512, 11)], ONE, served, cores=2).outcomes
     assert o.ttft_s == pytest.approx(0.512 + 0.1)
     assert o.tpot_s == pytest.approx(0.01 + 0.002 + 0.001, rel=1e-3)  # a batch of one
+
+
+def test_batched_prompts_cost_their_own_curves_and_chunks_their_increments() -> None:
+    p = replace(
+        linear_profile(),
+        prefill=(PrefillPoint(1, 64, 0.064), PrefillPoint(1, 512, 0.6), PrefillPoint(1, 2048, 4.0)),
+    )
+    three = simulate([SimRequest(0.0, 512, 1) for _ in range(3)], ONE, p, cores=2)
+    # the first alone, then one step of the two queued behind it: 2 x 0.6 s, not the
+    # time of one 1024-token prompt
+    assert [round(o.ttft_s, 6) for o in three.outcomes] == [0.6, 1.8, 1.8]
+    chunked = Deployment(prefill=1, decode=1, max_batched_tokens=512)
+    (o,) = simulate([SimRequest(0.0, 1024, 1)], chunked, p, cores=2).outcomes
+    assert o.ttft_s == pytest.approx(p.prefill_seconds(1024, 1))  # 0.6 + what 512 more add
 
 
 def test_prompts_queue_behind_the_token_budget() -> None:
