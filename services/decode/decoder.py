@@ -152,7 +152,7 @@ class Decoder(Worker):
             first_here = len(body.generated) + (1 if body.resumed else 2)
             joined = False
             try:
-                async for event in tokens.events(outputs):
+                async for event in tokens.events(outputs, steps=self._steps):
                     if not joined and tokens.generated >= first_here:
                         joined = True
                         self.decode_metrics.join_wait_s.observe(time.perf_counter() - arrival)
@@ -179,6 +179,9 @@ class Decoder(Worker):
             self.in_flight.pop(rid, None)
             if not finished:  # frees its slots once the connector lets go of them
                 self.loop.post(lambda e: e.abort(rid))
+
+    def _steps(self) -> int:
+        return self.loop.stats.steps
 
     async def _migrate(self, rid: str) -> MigrateEvent:
         """End the request here; once its computed blocks are stored, say where."""

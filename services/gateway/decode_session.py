@@ -2,8 +2,9 @@
 
 Tokens come from the current decode instance. When it dies (its stream breaks),
 hangs (it left membership: missed heartbeats; or no progress for
-``progress_timeout_s``), fails (an internal error event) or drains (it ends
-the stream with ``migrate``), the
+``progress_timeout_s``: neither a token nor a ``waiting`` event, which a decode
+instance sends while the request is queued or preempted and its engine steps),
+fails (an internal error event) or drains (it ends the stream with ``migrate``), the
 request resumes on another instance: it loads the KV stored up to the
 request's replication watermark, recomputes the few tokens past it, and goes
 on from the last token the client got. Sampling is keyed by request seed and
@@ -26,7 +27,13 @@ from services.gateway.worker_stream import LOST, WorkerStream
 from shared.cluster.watermarks import Watermark, Watermarks
 from shared.serving.background import Background
 from shared.serving.errors import ServiceError
-from shared.serving.protocol import DecodeRequest, MigrateEvent, TokenEvent, WireToken
+from shared.serving.protocol import (
+    DecodeRequest,
+    MigrateEvent,
+    TokenEvent,
+    WaitingEvent,
+    WireToken,
+)
 
 log = logging.getLogger(__name__)
 HANG_CHECK_S = 0.25  # how often a silent stream's instance is checked for liveness
@@ -138,6 +145,8 @@ class DecodeSession:
                     raise _Interrupted("failed") from exc
                 raise
             last = time.monotonic()
+            if isinstance(event, WaitingEvent):
+                continue  # queued or preempted there, and its engine is stepping
             if isinstance(event, MigrateEvent):
                 raise _Interrupted("migrated", event)
             if not isinstance(event, TokenEvent):

@@ -7,7 +7,8 @@ Prefill (``POST /v1/prefill``): ``accepted`` (KV reserved in the store, with
 the transfer ids the decode side pulls) -> ``first_token`` -> ``committed``
 (every layer of every block is in the store). Decode (``POST /v1/decode``):
 ``accepted`` (KV pool space reserved, pull started) -> ``token``... (the last
-one carries ``finish_reason``); the first token reaches decode separately
+one carries ``finish_reason``; ``waiting`` while the request is queued or
+preempted on an engine that keeps stepping); the first token reaches decode separately
 (``POST /v1/decode/{request_id}/first_token``), as soon as prefill sampled it.
 A draining decode ends a stream with ``migrate`` (where its KV is stored) for
 the gateway to resume it elsewhere. Any stream may end with ``error``.
@@ -141,6 +142,15 @@ class TokenEvent(_Wire):
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
+class WaitingEvent(_Wire):
+    """Decode: no token for a while, but the request is queued or preempted on an engine
+    that is making progress (``steps``: its step count, grown since the last event).
+    The gateway tells such a stream from a hung instance by it."""
+
+    event: Literal["waiting"] = "waiting"
+    steps: int
+
+
 class MigrateEvent(_Wire):
     """Decode is draining: the stream ends here and continues on another instance,
     which loads the first ``tokens`` of KV from ``kv_ids`` (the watermark)."""
@@ -157,7 +167,7 @@ class ErrorEvent(_Wire):
 
 
 Event = Annotated[
-    Accepted | FirstTokenEvent | Committed | TokenEvent | MigrateEvent | ErrorEvent,
+    Accepted | FirstTokenEvent | Committed | TokenEvent | WaitingEvent | MigrateEvent | ErrorEvent,
     Field(discriminator="event"),
 ]
 EVENTS: TypeAdapter[Event] = TypeAdapter(Event)

@@ -55,6 +55,7 @@ from shared.serving.protocol import (
     REQUEST_ID_HEADER,
     ErrorEvent,
     TokenEvent,
+    WaitingEvent,
     WireToken,
     encode_event,
 )
@@ -449,11 +450,26 @@ class TokenStream:
     timings: RequestTimings | None = None  # the engine's, once finished
     cache_hit: CacheHit | None = None  # prompt tokens not computed here (first output)
 
-    async def events(self, outputs: asyncio.Queue[Output]) -> AsyncIterator[TokenEvent]:
+    async def events(
+        self, outputs: asyncio.Queue[Output], steps: Callable[[], int] | None = None
+    ) -> AsyncIterator[TokenEvent | WaitingEvent]:
         """Raises :class:`~shared.engine.engine_loop.StreamInterrupted` when the loop
-        interrupted the request."""
+        interrupted the request. With ``steps`` (the engine's step count), a request
+        that gets no token for :data:`WAITING_EVENT_S` while the engine keeps stepping
+        (queued, or preempted) yields a ``waiting`` event; a stuck engine yields none."""
+        seen = steps() if steps is not None else 0
         while self.finish_reason is None:
-            out = await next_output(outputs)
+            if steps is None:
+                out = await next_output(outputs)
+            else:
+                try:
+                    out = await asyncio.wait_for(next_output(outputs), WAITING_EVENT_S)
+                except TimeoutError:
+                    now = steps()
+                    if now > seen:
+                        seen = now
+                        yield WaitingEvent(steps=now)
+                    continue
             self.generated = out.num_output_tokens
             if self.cache_hit is None:
                 self.cache_hit = out.cache_hit
@@ -502,6 +518,9 @@ async def stream_events(events: AsyncGenerator[BaseModel, None]) -> Response:
 
 
 W = TypeVar("W", bound=Worker)
+# a decode stream silent this long while its engine steps says it is waiting (well under
+# the gateway's progress timeout)
+WAITING_EVENT_S = 5.0
 
 
 def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None]) -> FastAPI:
