@@ -273,7 +273,7 @@ class Gateway:
 
     def model_card(self) -> dict[str, Any]:
         """The model as ``/v1/models`` lists it (``created``: the oldest live decode's start)."""
-        decode = self.router.live(self.roles[-1])
+        decode = self.router.candidates(self.roles[-1])
         created = int(min((m.started_at for m in decode), default=time.time()))
         return {
             "id": self.model.name,

@@ -211,7 +211,10 @@ class Router:
                 s -= alongside.cost
             return s
 
-        return own + self.lend.lendable(role, own, self.live(other_role(role)), score)
+        others = self.live(other_role(role))
+        if role == "decode" and self.kv_namespace is not None:  # as live() does for decode
+            others = [m for m in others if m.kv_namespace == self.kv_namespace]
+        return own + self.lend.lendable(role, own, others, score)
 
     def lent(self) -> dict[str, int]:
         """Per role: the other role's instances serving it at the moment."""

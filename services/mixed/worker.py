@@ -39,6 +39,10 @@ def prefill_id(request_id: str) -> str:
     return request_id + PREFILL_TAG
 
 
+def is_prefill(request_id: str) -> bool:
+    return request_id.endswith(PREFILL_TAG)
+
+
 class Mixed(Prefiller, Decoder):
     settings: MixedSettings
 
@@ -60,25 +64,29 @@ class Mixed(Prefiller, Decoder):
         connector.tasks.instance_id = self.instance_id
         return connector
 
-    def _prefilling(self) -> int:
-        return sum(1 for rid in self.in_flight if rid.endswith(PREFILL_TAG))
-
     def load(self) -> dict[str, float]:
-        prompts = self._prefilling()
-        streams = len(self.in_flight) - prompts
+        """Each role's queue counts only that role's requests (the engine's figures mix
+        them): ``pending_tokens`` and ``jobs`` the prompts, ``running`` and
+        ``waiting_kv`` the streams."""
+        snap = self.loop.snapshot
+        prompts = [rid for rid in self.in_flight if is_prefill(rid)]
+        streams = len(self.in_flight) - len(prompts)
+        waiting = sum(1 for rid in snap.waiting_ids if not is_prefill(rid))
+        pending = sum(n for rid, n in snap.pending_by_request.items() if is_prefill(rid))
         return {
-            **Decoder.load(self),
-            **Prefiller.load(self),
-            "jobs": float(prompts),
+            "pending_tokens": float(pending),
+            "jobs": float(len(prompts)),
+            "running": float(max(0, streams - waiting)),
+            "waiting_kv": float(waiting),
             "mixed": 1.0,
-            "serving_prefill": float(prompts),
+            "serving_prefill": float(len(prompts)),
             "serving_decode": float(streams),
         }
 
     def release_requests(self) -> None:
         """Draining: streams move to another decode instance; prompts finish here."""
         for rid in list(self.in_flight):
-            if not rid.endswith(PREFILL_TAG):
+            if not is_prefill(rid):
                 self.loop.interrupt(rid)
 
     async def run(self, body: PrefillRequest | DecodeRequest) -> AsyncGenerator[BaseModel, None]:

@@ -348,19 +348,22 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv
         queued = [*s.waiting, *s.running]
+        pending = {r.request_id: r.num_tokens - r.num_computed_tokens for r in queued}
         return EngineSnapshot(
             steps=self._steps,
             waiting=len(s.waiting),
             running=len(s.running),
             loading=len(s.loading),
             parked=len(s.parked),
-            pending_tokens=sum(r.num_tokens - r.num_computed_tokens for r in queued),
+            pending_tokens=sum(pending.values()),
             free_slots=kv.num_free,
             num_slots=kv.num_slots,
             cached_blocks=kv.num_cached,
             requests=frozenset(s.requests),
             preemptions=s.num_preemptions,
             swap=replace(s.swapper.stats) if s.swapper is not None else SwapStats(),
+            pending_by_request=pending,
+            waiting_ids=frozenset(r.request_id for r in s.waiting),
         )
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.engine.request import RequestId
@@ -22,6 +23,9 @@ class EngineSnapshot:
     requests: frozenset[RequestId] = frozenset()
     preemptions: int = 0  # so far, swapped or recomputed
     swap: SwapStats = field(default_factory=SwapStats)  # a copy: how they were served
+    # per queued or running request: tokens not yet computed (``pending_tokens`` split)
+    pending_by_request: Mapping[RequestId, int] = field(default_factory=dict)
+    waiting_ids: frozenset[RequestId] = frozenset()  # the ``waiting`` ones
 
     @property
     def usage(self) -> float:

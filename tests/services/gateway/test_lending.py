@@ -85,3 +85,9 @@ def test_load_reports_say_what_each_instance_serves() -> None:
     assert serving([lent, member("decode", "e", serving_decode=1.0)], "prefill") == 1
     r = router([member("prefill", "p")], [lent])
     assert r.lent() == {"prefill": 1, "decode": 0}
+
+
+def test_decode_is_lent_only_instances_that_can_read_its_kv() -> None:
+    other = member("prefill", "q").model_copy(update={"kv_namespace": "other"})
+    r = router([member("prefill", "p"), other], [member("decode", "d", running=4)])
+    assert [m.instance_id for m in r.candidates("decode")] == ["d", "p"]
