@@ -17,25 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plan_check import measure_split
+from benchmarks.plan_check import add_trace_arguments, measure_split
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--python", default=sys.executable)
-    p.add_argument("--trace", type=Path, required=True)
-    p.add_argument("--num-requests", type=int, default=60)
-    p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--token-scale", type=float, default=0.5)
-    p.add_argument("--max-input", type=int, default=1024)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--slo-ttft", type=float, default=3.0)
-    p.add_argument("--slo-tpot", type=float, default=0.1)
+    add_trace_arguments(p)
     p.add_argument("--fixed", nargs="+", default=["2:1", "1:2"], help="P:D splits")
     p.add_argument("--mixed", nargs="+", default=["2:1", "1:2"], help="P:D home roles")
     p.add_argument("--extra", default="", help="further `baton up` arguments for every run")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,8 @@ def _quiet() -> None:
     return None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    import sys
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """What :func:`measure_split` reads: the server's python, the trace, its scaling, SLOs."""
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--trace", type=Path, required=True)
     p.add_argument("--num-requests", type=int, default=60)
@@ -86,6 +85,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--slo-ttft", type=float, default=3.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_trace_arguments(p)
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--splits", nargs="+", default=["1:1", "1:2", "2:1"], help="P:D")
     p.add_argument("--profile", type=Path, default=None)

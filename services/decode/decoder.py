@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from prometheus_client import Counter
 from pydantic import BaseModel
@@ -71,11 +72,16 @@ class Decoder(Worker):
             self.connector_metrics,
             caching=self.caching,
             replicate=self.settings.replicate,
+            **self.put_options(),
         )
         if self.settings.replicate:
             connector.tasks.watermarks = Watermarks(self.redis, self.keys)
         connector.tasks.instance_id = self.instance_id
         return connector
+
+    def put_options(self) -> dict[str, Any]:
+        """Connector options for prompts prefilled here (none: decode only reads them)."""
+        return {}
 
     def release_requests(self) -> None:
         """Draining: every stream here ends with ``migrate`` (after the tokens already

@@ -20,15 +20,14 @@ decode.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from pydantic import BaseModel
 
 from services.decode.decoder import Decoder
 from services.mixed.settings import MixedSettings
 from services.prefill.prefiller import Prefiller
-from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
-from shared.kvstore.connector import KVStoreConnector
 from shared.serving.protocol import DecodeRequest, PrefillRequest
 
 PREFILL_TAG = "#prefill"
@@ -50,19 +49,10 @@ class Mixed(Prefiller, Decoder):
         self.role = settings.home  # registration, metrics and ids use the home role
         super().__init__(settings, baton)
 
-    def make_connector(self) -> KVStoreConnector:
-        connector = KVStoreConnector(
-            self.kv,
-            self.connector_metrics,
-            caching=self.caching,
-            pull_policy=self.settings.pull_policy,
-            put_ttl_s=self.settings.put_ttl_s,
-            replicate=self.settings.replicate,
-        )
-        if self.settings.replicate:
-            connector.tasks.watermarks = Watermarks(self.redis, self.keys)
-        connector.tasks.instance_id = self.instance_id
-        return connector
+    make_connector = Decoder.make_connector  # replicating, and writing prompts (below)
+
+    def put_options(self) -> dict[str, Any]:
+        return {"pull_policy": self.settings.pull_policy, "put_ttl_s": self.settings.put_ttl_s}
 
     def load(self) -> dict[str, float]:
         """Each role's queue counts only that role's requests (the engine's figures mix

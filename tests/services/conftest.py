@@ -4,6 +4,7 @@ and the gateway, as processes on free ports)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,3 +101,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(local, local.gateway_url)
     finally:
         local.stop()
+
+
+async def completion_token_ids(
+    url: str, prompts: list[list[int]], seeds: list[int | None], max_tokens: int, temperature: float
+) -> list[list[int]]:
+    """Each prompt through ``/v1/completions`` at once (greedy where its seed is None, else
+    seeded at ``temperature``); the token ids each got back."""
+
+    async def one(client: httpx.AsyncClient, prompt: list[int], seed: int | None) -> list[int]:
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0 if seed is None else temperature,
+            "seed": seed,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        calls = [one(client, p, s) for p, s in zip(prompts, seeds, strict=True)]
+        return list(await asyncio.gather(*calls))

@@ -10,7 +10,7 @@ import httpx
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.conftest import MODEL, start_cluster
+from tests.services.conftest import completion_token_ids, start_cluster
 
 
 def test_colocated_serves_the_same_tokens(tmp_path: Path, make_engine: EngineFactory) -> None:
@@ -21,26 +21,7 @@ def test_colocated_serves_the_same_tokens(tmp_path: Path, make_engine: EngineFac
         ready = httpx.get(local.gateway_url + "/ready", timeout=10).json()
         assert ready["colocated"] == 1 and "prefill" not in ready
 
-        async def one(client: httpx.AsyncClient, prompt: list[int], seed: int | None) -> list[int]:
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": 10,
-                "temperature": 0.0 if seed is None else 0.9,
-                "seed": seed,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            r = await client.post(local.gateway_url + "/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return list(r.json()["choices"][0]["token_ids"])
-
-        async def run() -> list[list[int]]:
-            async with httpx.AsyncClient(timeout=300) as client:
-                calls = [one(client, p, s) for p, s in zip(prompts, seeds, strict=True)]
-                return list(await asyncio.gather(*calls))
-
-        got = asyncio.run(run())
+        got = asyncio.run(completion_token_ids(local.gateway_url, prompts, seeds, 10, 0.9))
     finally:
         local.stop()
     engine = make_engine()

@@ -13,31 +13,14 @@ import httpx
 
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.services.conftest import MODEL, serving_reference, start_cluster
+from tests.services.conftest import completion_token_ids, serving_reference, start_cluster
 
 PROMPTS = [[150 + (i * 53 + j) % 9000 for j in range(30 + 61 * i)] for i in range(4)]
 SEEDS = [None, 7, None, 11]
 
 
 async def complete(url: str, prompts: list[list[int]], seeds: list[int | None]) -> list[list[int]]:
-    async def one(client: httpx.AsyncClient, prompt: list[int], seed: int | None) -> list[int]:
-        body = {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": 12,
-            "temperature": 0.0 if seed is None else 0.8,
-            "seed": seed,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        r = await client.post(url + "/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return list(r.json()["choices"][0]["token_ids"])
-
-    async with httpx.AsyncClient(timeout=300) as client:
-        return list(
-            await asyncio.gather(*(one(client, p, s) for p, s in zip(prompts, seeds, strict=True)))
-        )
+    return await completion_token_ids(url, prompts, seeds, max_tokens=12, temperature=0.8)
 
 
 def metric(base: str, name: str) -> float:
