@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.launcher import LocalCluster, Topology
-from shared.procs import free_port
+from shared.procs import PortPicker
 
 
 @contextmanager
@@ -22,10 +22,11 @@ def bench_cluster(
     """Start the cluster ``topology`` describes (Topology fields) and stop it after."""
 
     def make(redis_url: str) -> Topology:
+        picker = PortPicker()
         base = Topology(
             redis_url=redis_url,
-            gateway_port=free_port(),
-            ports=lambda role, i: free_port(),
+            gateway_port=picker(),
+            ports=picker,
             transport="ucx",
             threads=1,
             dtype="float32",  # the benches compare with fp32 references and past figures

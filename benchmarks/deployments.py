@@ -40,7 +40,7 @@ from shared.bench.metrics import SLO, Distribution, RequestResult, summarize
 from shared.bench.report import RunReport, text_summary, write_json, write_png
 from shared.bench.runner import Target, run_open_loop
 from shared.launcher import LocalCluster, Topology
-from shared.procs import free_port
+from shared.procs import PortPicker
 
 MODEL = "SmolLM2-135M-Instruct"
 TRACE = Path(__file__).resolve().parents[2] / "shared/workloads/azure-2023"
@@ -53,10 +53,11 @@ def topology(
     io_cpus = "0" if split_io else "1"
 
     def make(redis_url: str) -> Topology:
+        picker = PortPicker()
         base = Topology(
             redis_url=redis_url,
-            gateway_port=free_port(),
-            ports=lambda role, i: free_port(),
+            gateway_port=picker(),
+            ports=picker,
             transport=transport,
             threads=1,
             kv_cache_gb=1.0,

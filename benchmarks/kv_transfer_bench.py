@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from benchmarks.results import save_json
 from shared.cluster.keys import Keys
 from shared.kvstore.client import KVStoreClient
-from shared.procs import RedisProcess, ServiceProcess, free_port
+from shared.procs import RedisProcess, ServiceProcess, free_port, free_ports
 from shared.transport import make_transport
 
 BLOCK_BYTES = 737_280  # SmolLM2-135M fp32: 30 layers x 2 x 16 tokens x 3 heads x 64 x 4 B
@@ -177,7 +177,7 @@ class StoreTarget:
         self, transport: str, redis_url: str, workdir: Path, nbytes: int, capacity_gb: float
     ):
         self.name = transport
-        http, data = free_port(), free_port()
+        http, data = free_ports(2)
         env = {
             "BATON_REDIS_URL": redis_url,
             "BATON_REDIS_PREFIX": f"bench-{transport}",

@@ -43,7 +43,7 @@ from shared.bench import workload as wl
 from shared.bench.metrics import Summary, summarize
 from shared.bench.runner import Target, run_open_loop
 from shared.config import default_cache_dir
-from shared.procs import free_port
+from shared.procs import PortPicker, free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 READY_TIMEOUT_S = 900.0
@@ -92,9 +92,17 @@ class Figures:
         return cls(s.ttft.median, s.tpot.median, s.output_throughput, s.failed)
 
 
-def baton_server(python: str, label: str = "defaults", args: Sequence[str] = ()) -> Server:
-    port = free_port()
-    cmd = [python, "-m", "shared.cli", "up", "--port", str(port), "--redis-port", str(free_port())]
+def baton_server(
+    python: str,
+    label: str = "defaults",
+    args: Sequence[str] = (),
+    ports: PortPicker | None = None,
+) -> Server:
+    """``baton up`` on free ports; ``ports`` when ``args`` name more ports of the
+    same picker."""
+    pick = ports or PortPicker()
+    port = pick()
+    cmd = [python, "-m", "shared.cli", "up", "--port", str(port), "--redis-port", str(pick())]
     return Server(f"Baton (baton up, {label})", [*cmd, *args], port, "/ready")
 
 

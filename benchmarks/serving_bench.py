@@ -45,7 +45,7 @@ from shared.config import CacheConfig, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 from shared.launcher import LocalCluster, Topology
-from shared.procs import free_port
+from shared.procs import PortPicker
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -127,10 +127,11 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="baton-bench-"))
 
     def topology(redis_url: str) -> Topology:
+        picker = PortPicker()
         return Topology(
             redis_url=redis_url,
-            gateway_port=free_port(),
-            ports=lambda role, i: free_port(),
+            gateway_port=picker(),
+            ports=picker,
             transport=args.transport,
             threads=1,
             kv_cache_gb=0.5,

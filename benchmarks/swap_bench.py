@@ -32,7 +32,7 @@ from shared.bench.metrics import SLO, RequestResult, summarize
 from shared.bench.runner import Target, send
 from shared.cluster.auth import SECRET_HEADER
 from shared.kv.layout import KVLayout
-from shared.procs import free_port
+from shared.procs import PortPicker
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64; bf16 where the CPU computes it natively
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
@@ -88,12 +88,13 @@ def decode_stats(port: int, secret: str) -> dict[str, float]:
 def run_mode(
     mode: str, args: argparse.Namespace, gb: float, slo: SLO
 ) -> tuple[Outcome, list[list[int]]]:
-    secret, decode_port = secrets.token_hex(16), free_port()
+    ports = PortPicker()
+    secret, decode_port = secrets.token_hex(16), ports()
     extra = [
         "--kv-cache-gb", f"{gb:.4f}", "--preemption-mode", mode, "--decode-port",
-        str(decode_port), "--prefill-port", str(free_port()), "--kvstore-port", str(free_port()),
+        str(decode_port), "--prefill-port", str(ports()), "--kvstore-port", str(ports()),
     ]  # fmt: skip
-    server = baton_server(args.python, f"preemption {mode}", extra)
+    server = baton_server(args.python, f"preemption {mode}", extra, ports)
     server = replace(server, env={**server.env, "BATON_CLUSTER_SECRET": secret})
     running = Running(server, args.out / f"baton-{mode}.log")
     try:

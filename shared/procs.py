@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, PortInUseError
 from shared.ports import check_port_free
 
 PR_SET_PDEATHSIG = 1
@@ -69,6 +69,37 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class PortPicker:
+    """Free ports for one cluster's plan, each distinct from every port this picker
+    handed out before and from its neighbours: one pick is free *now*, but nothing
+    holds it until its service binds, so picking again could return it, and a
+    store given port ``p`` on the command line listens on ``p + 1`` too.
+
+    Callable as a topology's port function (``picker(role, index)``)."""
+
+    def __init__(self) -> None:
+        self._taken: set[int] = set()
+
+    def __call__(self, _role: str = "", _index: int = 0) -> int:
+        for _ in range(200):
+            port = free_port()
+            if self._taken & {port - 1, port, port + 1}:
+                continue
+            try:
+                check_port_free("127.0.0.1", port + 1)
+            except PortInUseError:
+                continue
+            self._taken.add(port)
+            return port
+        raise ConfigError("no free port found for the cluster's plan")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports, no two adjacent (see ``PortPicker``)."""
+    picker = PortPicker()
+    return [picker() for _ in range(count)]
 
 
 def redis_server_binary() -> str:

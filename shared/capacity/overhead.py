@@ -73,15 +73,16 @@ def measure_overhead(
     progress: Progress = lambda _: None,
 ) -> ServiceOverhead:
     from shared.launcher import LocalCluster, Topology
-    from shared.procs import free_port
+    from shared.procs import PortPicker
 
     def topology(redis_url: str) -> Topology:
+        picker = PortPicker()
         return Topology(
             redis_url=redis_url,
             prefill=1,
             decode=1,
-            gateway_port=free_port(),
-            ports=lambda _role, _i: free_port(),
+            gateway_port=picker(),
+            ports=picker,
             transport=profile.notes.get("transport", "tcp"),
             model=model,
             dtype=dtype,

@@ -16,7 +16,7 @@ import pytest_asyncio
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.engine.engine import Engine
 from shared.launcher import LocalCluster, Topology
-from shared.procs import free_port
+from shared.procs import PortPicker
 from shared.transport import Transport, make_transport
 from tests.conftest import EngineFactory
 
@@ -40,10 +40,6 @@ def serving_reference(make_engine: EngineFactory, **overrides: int) -> Engine:
     """The in-process engine a cluster must match token for token: the same engine
     and scheduler config as the prefill service (which caps prompt chunks)."""
     return make_engine(long_prefill_token_threshold=PREFILL_CHUNK_TOKENS, **overrides)
-
-
-def free_ports(role: str, index: int) -> int:
-    return free_port()
 
 
 @dataclass
@@ -74,6 +70,7 @@ def start_cluster(
     **env: str,
 ) -> LocalCluster:
     def topology(redis_url: str) -> Topology:
+        picker = PortPicker()
         return Topology(
             redis_url=redis_url,
             prefill=prefill,
@@ -81,8 +78,8 @@ def start_cluster(
             colocated=colocated,
             mixed=mixed,
             kvstore=0 if colocated else kvstore,
-            gateway_port=free_port(),
-            ports=free_ports,
+            gateway_port=picker(),
+            ports=picker,
             transport="ucx",
             threads=1,
             dtype="float32",  # what the in-process reference engines compute in

@@ -18,13 +18,13 @@ import psutil
 import pytest
 
 from shared.launcher import Topology, plan
-from shared.procs import free_port
+from shared.procs import free_ports
 
 
 def test_baton_up_serves_and_stops_cleanly(cache_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     env |= {"BATON_CACHE_DIR": str(cache_dir), "BATON_KV_CACHE_GB": "0.25"}
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     args = [
         sys.executable, "-m", "shared.cli", "up",
         "--port", str(ports[0]), "--prefill-port", str(ports[1]),

@@ -23,7 +23,7 @@ import pytest
 from shared.errors import ConfigError, PeerLostError, PortInUseError
 from shared.logs import JsonFormatter
 from shared.ports import check_port_free, listen_socket
-from shared.procs import RedisProcess, ServiceProcess, free_port
+from shared.procs import RedisProcess, ServiceProcess, free_port, free_ports
 from shared.transport.base import Connection
 from shared.transport.tcp import TcpTransport
 
@@ -94,7 +94,7 @@ class BatonUp:
 def test_baton_up_restarts_on_the_same_ports_ten_times(cache_dir: Path) -> None:
     """Every port fixed (gateway, prefill, decode, store HTTP and UCX data plane, Redis);
     each round starts right after the last one stopped and answers a request."""
-    gateway, prefill, decode, kvstore, redis = (free_port() for _ in range(5))
+    gateway, prefill, decode, kvstore, redis = free_ports(5)
     args = [
         "--port", str(gateway), "--prefill-port", str(prefill), "--decode-port", str(decode),
         "--kvstore-port", str(kvstore), "--redis-port", str(redis),
@@ -129,7 +129,8 @@ def test_baton_up_restarts_on_the_same_ports_ten_times(cache_dir: Path) -> None:
 
 
 def test_a_taken_port_fails_baton_up_in_one_line(cache_dir: Path) -> None:
-    ports = {name: free_port() for name in ("gateway", "prefill", "decode", "kvstore", "redis")}
+    roles = ("gateway", "prefill", "decode", "kvstore", "redis")
+    ports = dict(zip(roles, free_ports(len(roles)), strict=True))
     args = [
         "--port", str(ports["gateway"]), "--prefill-port", str(ports["prefill"]),
         "--decode-port", str(ports["decode"]), "--kvstore-port", str(ports["kvstore"]),
@@ -171,7 +172,7 @@ def test_a_service_whose_port_is_taken_says_so_in_one_line(
 ) -> None:
     """The race the launcher's check cannot close (a port taken after it looked): the
     service exits 2 with one line the launcher passes on, and no traceback."""
-    http, data = free_port(), free_port()
+    http, data = free_ports(2)
     env = {
         "BATON_REDIS_URL": "redis://127.0.0.1:9/0",  # never reached: the bind fails first
         "BATON_TRANSPORT": transport,

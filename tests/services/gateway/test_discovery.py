@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from shared.launcher import LocalCluster, Topology, plan
-from tests.services.conftest import FAST_HEARTBEAT, MODEL, free_ports, start_cluster
+from shared.procs import PortPicker
+from tests.services.conftest import FAST_HEARTBEAT, MODEL, start_cluster
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def test_replicas_come_and_go(small: LocalCluster) -> None:
     topo = Topology(
         redis_url=small.redis.url,
         decode=2,
-        ports=free_ports,
+        ports=PortPicker(),
         transport="ucx",
         kv_cache_gb=0.25,
         dtype="float32",

@@ -1,0 +1,36 @@
+"""Port picking for a cluster's plan: ports chosen one after another before any service
+binds them must not repeat or sit next to each other (a store listens on its port and the
+next one)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+
+from shared import procs
+from shared.ports import listen_socket
+from shared.procs import PortPicker, free_ports
+
+
+def test_picks_are_distinct_and_never_adjacent() -> None:
+    ports = free_ports(40)
+    assert len(set(ports)) == 40
+    spread = sorted(ports)
+    assert all(b - a >= 2 for a, b in pairwise(spread))
+
+
+def test_a_repeated_or_adjacent_pick_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may offer a port again until a service binds it; the picker skips it,
+    and skips a port whose neighbour (its data plane) is taken."""
+    first = free_ports(1)[0]
+    fresh = free_ports(3)
+    taken_above = next(p for p in fresh if p - 1 not in (first, first + 1))
+    offers = iter([first, first, first + 1, taken_above, *fresh])  # a fake kernel
+    monkeypatch.setattr(procs, "free_port", lambda: next(offers))
+    picker = PortPicker()
+    assert picker() == first
+    with listen_socket("127.0.0.1", taken_above + 1):
+        second = picker("decode", 0)
+    assert second not in (first, first + 1, taken_above)
+    assert second in fresh
