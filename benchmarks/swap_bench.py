@@ -1,13 +1,21 @@
 """Swapping against recompute-preemption, with the decode KV pool at a fraction of the
 working set of a steady load.
 
-``baton up`` is started once per preemption mode (``recompute``, then ``auto``: swap
-or recompute by the measured cost model) with ``--kv-cache-gb`` set so the pool holds
-``--pool-share`` of what the requests in flight need at their longest; the same
-closed-loop load (the same prompts, forced output lengths, greedy) runs against each.
-Reported per mode: goodput under the SLOs (requests/s meeting both), TTFT and TPOT
-medians, output throughput, and the decode instance's swap and preemption counters;
-then the goodput ratio and whether every request's tokens were identical in both runs.
+``baton up`` is started once per mode with ``--kv-cache-gb`` set so the pool holds
+``--pool-share`` of what the requests in flight need at their longest:
+
+- ``recompute``: ``--preemption-mode recompute``, the baseline;
+- ``swap``: ``--preemption-mode auto``, swap to host memory or recompute by the
+  measured cost model;
+- ``spill``: ``auto`` with no host swap space (``--swap-space-gb 0``), so every
+  preempted request's KV stays in the KV store (its replicated blocks) and comes
+  back from there.
+
+The same closed-loop load (the same prompts, forced output lengths, greedy) runs
+against each. Reported per mode: goodput under the SLOs (requests/s meeting both),
+TTFT and TPOT medians, output throughput, and the decode instance's swap and
+preemption counters; then each mode's goodput over recompute's and whether every
+request's tokens were identical in all runs.
 
     python -m benchmarks.swap_bench --out bench-results/swap
 """
@@ -85,13 +93,21 @@ def decode_stats(port: int, secret: str) -> dict[str, float]:
     return {k: float(v) for k, v in r.json().items()}
 
 
+MODES: dict[str, list[str]] = {
+    "recompute": ["--preemption-mode", "recompute"],
+    "swap": ["--preemption-mode", "auto"],
+    "spill": ["--preemption-mode", "auto", "--swap-space-gb", "0"],
+}
+STATS = ("preemptions", "swaps_out", "swaps_in", "spills_out", "spills_in")
+
+
 def run_mode(
     mode: str, args: argparse.Namespace, gb: float, slo: SLO
 ) -> tuple[Outcome, list[list[int]]]:
     ports = PortPicker()
     secret, decode_port = secrets.token_hex(16), ports()
     extra = [
-        "--kv-cache-gb", f"{gb:.4f}", "--preemption-mode", mode, "--decode-port",
+        "--kv-cache-gb", f"{gb:.4f}", *MODES[mode], "--decode-port",
         str(decode_port), "--prefill-port", str(ports()), "--kvstore-port", str(ports()),
     ]  # fmt: skip
     server = baton_server(args.python, f"preemption {mode}", extra, ports)
@@ -108,7 +124,7 @@ def run_mode(
     outcome = Outcome(
         mode, goodput, round(goodput * duration), duration, s.ttft.median, s.tpot.median,
         s.output_throughput, s.failed,
-        {k: stats.get(k, 0.0) for k in ("preemptions", "swaps_out", "swaps_in")},
+        {k: stats.get(k, 0.0) for k in STATS},
     )  # fmt: skip
     print(outcome, flush=True)
     return outcome, tokens
@@ -126,6 +142,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-share", type=float, default=0.5, help="decode pool / working set")
     p.add_argument("--slo-ttft", type=float, default=10.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="modes to run; recompute (the baseline) always runs first",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/swap"))
     return p.parse_args(argv)
 
@@ -137,13 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = SLO(ttft=args.slo_ttft, tpot=args.slo_tpot)
     print(f"decode pool {gb:.3f} GiB ({args.pool_share:.0%} of the working set)", flush=True)
     base, base_tokens = run_mode("recompute", args, gb, slo)
-    swap, swap_tokens = run_mode("auto", args, gb, slo)
-    identical = base_tokens == swap_tokens and all(len(t) == args.output_len for t in swap_tokens)
-    ratio = swap.goodput / base.goodput if base.goodput else math.inf
-    body = {"pool_gb": gb, "recompute": asdict(base), "swap": asdict(swap)}
-    body |= {"goodput_ratio": ratio, "identical_tokens": identical}
+    body: dict[str, object] = {"pool_gb": gb, "recompute": asdict(base)}
+    identical = all(len(t) == args.output_len for t in base_tokens)
+    for mode in (m for m in args.modes if m != "recompute"):
+        outcome, tokens = run_mode(mode, args, gb, slo)
+        same = tokens == base_tokens
+        identical = identical and same
+        ratio = outcome.goodput / base.goodput if base.goodput else math.inf
+        body[mode] = asdict(outcome) | {"goodput_ratio": ratio, "identical_tokens": same}
+        print(f"goodput {mode} / recompute: {ratio:.2f}x; identical tokens: {same}", flush=True)
+    body["identical_tokens"] = identical
     (args.out / "swap.json").write_text(json.dumps(body, indent=1))
-    print(f"goodput swap / recompute: {ratio:.2f}x; identical tokens: {identical}")
     return 0 if identical else 1
 
 

@@ -53,7 +53,8 @@ class CacheConfig:
     # (0.2-0.5 GB/s on this VM), which would otherwise stall a step or a transfer
     prefault: bool = False
     huge_pages: HugePages = "auto"
-    # host memory preempted requests' KV is swapped to (0: none, preemption recomputes);
+    # host memory preempted requests' KV is swapped to (0: none; a preempted request
+    # spills to the KV store, where the connector keeps it, or else recomputes);
     # untouched until used
     swap_space_bytes: int = int(DEFAULT_SWAP_SPACE_GB * (1 << 30))
 

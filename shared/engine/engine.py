@@ -149,10 +149,12 @@ class Engine:
         self.between_layers: Callable[[], None] | None = None
 
     def _swap(self, config: EngineConfig) -> tuple[HostSwapSpace | None, Swapper | None]:
+        """Host swap space and the scheduler's swapper; without host space the swapper
+        still spills preempted requests to the connector (the KV store)."""
         blocks = config.cache.swap_space_bytes // self.layout.block_bytes
-        if config.scheduler.preemption_mode == "recompute" or blocks < 1:
+        if config.scheduler.preemption_mode == "recompute":
             return None, None
-        space = HostSwapSpace(self.kv_cache, blocks)
+        space = HostSwapSpace(self.kv_cache, blocks) if blocks >= 1 else None
         always = config.scheduler.preemption_mode == "swap"
         return space, Swapper(blocks, self.layout.block_bytes, SwapCostModel(), always=always)
 

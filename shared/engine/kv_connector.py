@@ -112,6 +112,15 @@ class KVConnector(ABC):
         reads or writes its slots (a save or a load in flight); the engine keeps them
         until :meth:`poll` reports the request ``released``."""
 
+    def spill(self, request: Request) -> bool:
+        """The request is preempted and host swap space is full: keep what of its KV
+        the connector can, so that resuming loads it instead of recomputing it. Its
+        slots hold its computed KV during this call only (they are freed right after
+        and the next forward may overwrite them). True: :meth:`external_hit` offers
+        the kept KV when the request is admitted again (a failed load recomputes, as
+        for any load). The default keeps nothing."""
+        return False
+
     @abstractmethod
     def poll(self) -> ConnectorEvents:
         """Non-blocking: the asynchronous loads and releases that ended since the last

@@ -85,6 +85,8 @@ class Request:
     finish_reason: FinishReason | None = None
     # preempted with its KV in host memory (shared.engine.swap); None otherwise
     swapped: SwappedOut | None = None
+    # preempted with its KV kept by the connector (a spill), until it loads back
+    spilled: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

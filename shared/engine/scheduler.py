@@ -22,8 +22,10 @@ When a running request needs a slot and none is free, the latest-arrived
 running request is preempted and waits at the front of the queue. With a
 :class:`~shared.engine.swap.Swapper` its blocks are copied to host memory when
 the cost model finds that cheaper than recomputing them, and copied back when it
-resumes; otherwise its slots go back (still findable by key, so resuming may
-re-hit them) and it recomputes.
+resumes; when the host space is full it spills: the connector keeps its KV (in
+the KV store) and offers it as a load when the request is admitted again.
+Otherwise its slots go back (still findable by key, so resuming may re-hit
+them) and it recomputes.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from shared.engine.request import (
     RequestStatus,
     SampledToken,
 )
-from shared.engine.swap import BlockCopy, NoSwap, Swapper, SwapPlan
+from shared.engine.swap import BlockCopy, CheaperToRecompute, HostSwapFull, Swapper, SwapPlan
 from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockKey
 
@@ -316,13 +318,22 @@ class Scheduler:
 
     def _swap_out(self, req: Request) -> bool:
         """Copy the request's computed blocks to host memory if that is cheaper than
-        recomputing them and there is room; False: it recomputes."""
+        recomputing them and there is room; False: it starts over, after a spill to the
+        connector when the host space was full (its slots are still intact here)."""
         n = req.num_computed_tokens
         if self.swapper is None or n == 0:
             return False
         try:
             swapped, copies = self.swapper.swap_out(req.slots[: cdiv(n, self.block_size)], n)
-        except NoSwap:
+        except CheaperToRecompute:
+            return False
+        except HostSwapFull:
+            stats = self.swapper.stats
+            req.spilled = self.connector is not None and self.connector.spill(req)
+            if req.spilled:
+                stats.spills_out += 1
+            else:
+                stats.recomputes_no_room += 1
             return False
         req.swapped = swapped
         self._copy_out.extend(copies)
@@ -389,6 +400,9 @@ class Scheduler:
                 continue
             req.num_computed_tokens = self._load_target.pop(rid)
             self.kv.cache_blocks(req)
+            if req.spilled and self.swapper is not None:
+                self.swapper.stats.spills_in += 1
+            req.spilled = False
             self._requeue(req)
         for rid in events.failed:
             req = self.loading.pop(rid, None)
@@ -405,6 +419,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.load_external = False
+        req.spilled = False
         req.cache_hit = CacheHit()
         req.status = RequestStatus.WAITING
         self._requeue(req)

@@ -1,4 +1,5 @@
-"""Swapping: a preempted request's KV goes to host memory and comes back when it resumes.
+"""Swapping: a preempted request's KV goes to host memory, or failing that stays in the
+KV store, and comes back when it resumes.
 
 When a running request needs a pool slot and none is free, the scheduler
 preempts the latest-arrived request. Without swapping its KV is dropped and
@@ -7,9 +8,15 @@ generated tokens). With a :class:`Swapper` the scheduler asks the
 :class:`SwapCostModel` which is cheaper for this request: copying its blocks
 out and back (bytes over the copy bandwidth measured on this machine) or
 recomputing them (tokens over the compute rate measured on this engine's
-steps). A swap needs host blocks free; when there are too few, it recomputes
-(the prompt's blocks may still come back from the local prefix cache or the KV
-store, which the scheduler's admission finds as for any request).
+steps). A swap needs host blocks free; when there are too few (or there is no
+host swap space), the request *spills*: the scheduler asks the KV connector to
+keep its KV, which a decode instance that replicates already has in the store
+up to the request's watermark (the connector stages the blocks not yet sent
+before the slots go), and when the request is admitted again the connector
+offers those blocks as a load; only the tail past the watermark is recomputed.
+A connector that keeps nothing, or ``--preemption-mode recompute``, recomputes
+everything (the prompt's blocks may still come back from the local prefix cache
+or the KV store, as for any request).
 
 Ownership: the :class:`Swapper` (pure Python, the scheduler's) decides and
 keeps the host block free list; the scheduler puts the :class:`BlockCopy` lists
@@ -70,8 +77,10 @@ class SwapStats:
     swaps_in: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
+    spills_out: int = 0  # preemptions whose KV stayed in the store (host space full)
+    spills_in: int = 0  # ... that resumed by loading it back
     recomputes: int = 0  # preemptions that recomputed because that was cheaper
-    recomputes_no_room: int = 0  # ... because the host space was full
+    recomputes_no_room: int = 0  # ... because the host space was full and nothing spilled
 
 
 class SwapCostModel:
@@ -132,15 +141,15 @@ class Swapper:
 
     def swap_out(self, slots: list[Slot], num_tokens: int) -> tuple[SwappedOut, list[BlockCopy]]:
         """Copies that save ``slots`` (the request's first blocks, covering
-        ``num_tokens``) to host blocks; raises :class:`NoSwap` saying why not."""
+        ``num_tokens``) to host blocks; raises :class:`CheaperToRecompute` or
+        :class:`HostSwapFull` (which the scheduler answers with a spill, and counts)."""
         nbytes = len(slots) * self.block_bytes
         mode = PreemptionMode.SWAP if self.always else self.cost.choose(num_tokens, nbytes)
         if mode is PreemptionMode.RECOMPUTE:
             self.stats.recomputes += 1
-            raise NoSwap("recomputing is cheaper")
+            raise CheaperToRecompute("recomputing is cheaper")
         if len(slots) > len(self._free):
-            self.stats.recomputes_no_room += 1
-            raise NoSwap("the host swap space is full")
+            raise HostSwapFull("the host swap space is full")
         hosts = [self._free.pop() for _ in slots]
         self.stats.swaps_out += 1
         self.stats.bytes_out += nbytes
@@ -163,7 +172,15 @@ class Swapper:
 
 
 class NoSwap(Exception):
-    """This preemption recomputes instead (the message says why)."""
+    """This preemption does not swap to host memory (the subclass says why)."""
+
+
+class CheaperToRecompute(NoSwap):
+    """The cost model found recomputing cheaper than copying out and back."""
+
+
+class HostSwapFull(NoSwap):
+    """Too few host blocks are free (or there is no host swap space)."""
 
 
 @dataclass(frozen=True)

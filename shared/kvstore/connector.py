@@ -14,7 +14,10 @@ the request computes once they are in. Every block decode completes is copied
 to a staging buffer at the end of its step and written to the store in the
 background (``replicate``; it lags rather than block when staging runs out),
 and when the request ends the blocks not yet written follow from its slots:
-the prompt+answer of a conversation is in the store for its next turn.
+the prompt+answer of a conversation is in the store for its next turn. A
+request preempted when host swap space is full spills: its last completed
+blocks are staged before its slots go, and when it is admitted again it loads
+every block committed by then (prompt and answer) and recomputes only the rest.
 
 A load that fails (stale index entry, evicted block, dead store node) is
 reported to the engine, which recomputes: a stale cache costs time, never
@@ -213,6 +216,8 @@ class KVStoreConnector(KVConnector):
         if plan is None or not plan.load_ids:
             return NO_HIT
         bs = self.layout.block_size
+        if request.spilled:
+            self._resume_from_store(request, plan)
         if plan.asynchronous:  # the last block may be partial (the prompt's tail)
             loadable = min(plan.load_tokens, len(plan.load_ids) * bs)
             return ExternalHit(max(0, loadable - num_local_tokens), asynchronous=True)
@@ -223,6 +228,20 @@ class KVStoreConnector(KVConnector):
             self.metrics.declined.inc(tokens)
             return NO_HIT
         return ExternalHit(tokens)
+
+    def _resume_from_store(self, request: Request, plan: StorePlan) -> None:
+        """A spilled request comes back: load what its replication committed, when that
+        is more than the prompt (an uncommitted block is recomputed, never waited for)."""
+        committed = self.replicator.committed_ids(request.request_id)
+        tokens = len(committed) * self.layout.block_size
+        if tokens > plan.load_tokens:
+            plan.load_ids, plan.load_tokens = committed, tokens
+
+    def spill(self, request: Request) -> bool:
+        plan = _plan(request)
+        if plan is None or not (plan.asynchronous and plan.replicate):
+            return False
+        return self.replicator.spill(request, self._stored_ids)
 
     def start_load(self, request: Request, first_block: int, slots: Sequence[Slot]) -> None:
         plan = _plan(request)

@@ -48,33 +48,51 @@ class Replicator:
         """Stage the blocks completed before this step by the replicating requests in it
         (``stored(req)``: the ids of its leading blocks already in the store, or None for
         a request that does not replicate)."""
+        for s in step.scheduled:
+            self._stage_request(s.request, stored)
+
+    def spill(self, req: Request, stored: Callable[[Request], list[str] | None]) -> bool:
+        """``req`` is preempted and gives up its slots: stage its completed blocks not
+        staged yet while the slots still hold them. True when it replicates: the store
+        then holds its KV up to the watermark (``committed_ids``) for when it resumes."""
+        return self._stage_request(req, stored) is not None
+
+    def committed_ids(self, request_id: RequestId) -> list[str]:
+        """Ids of the request's leading blocks committed to the store, in order."""
+        rep = self.replications.get(request_id)
+        return [] if rep is None else rep.ids[: rep.watermark]
+
+    def _stage_request(
+        self, req: Request, stored: Callable[[Request], list[str] | None]
+    ) -> Replication | None:
+        """Copy the request's full blocks not staged yet into staging buffers and hand
+        them to the event loop; None for a request that does not replicate."""
         staging, pool = self.tasks.staging, self.tasks.pool
         if staging is None or pool is None:
-            return
+            return None
+        rep = self.replications.get(req.request_id)
+        if rep is None:
+            known = stored(req)
+            if known is None:
+                return None
+            rep = self.start(req, known)
         bs = pool.layout.block_size
-        for s in step.scheduled:
-            req = s.request
-            rep = self.replications.get(req.request_id)
-            if rep is None:
-                known = stored(req)
-                if known is None:
-                    continue
-                rep = self.start(req, known)
-            full = min(req.num_computed_tokens // bs, len(req.block_keys))
-            indices: list[int] = []
-            buffers: list[int] = []
-            while rep.staged < full:
-                index = staging.take()
-                if index is None:  # the store lags: these go from the slots at the end
-                    break
-                block = pool.block(req.slots[rep.staged])
-                staging.buffers[index].copy_(block.reshape(-1).view(torch.uint8))
-                rep.ids.append(self._block_id(req, rep.staged))
-                indices.append(rep.staged)
-                buffers.append(index)
-                rep.staged += 1
-            if indices:
-                self.tasks.soon(self.tasks.replicate_soon, rep, indices, buffers, None)
+        full = min(req.num_computed_tokens // bs, len(req.block_keys), len(req.slots))
+        indices: list[int] = []
+        buffers: list[int] = []
+        while rep.staged < full:
+            index = staging.take()
+            if index is None:  # the store lags: these go from the slots at the end
+                break
+            block = pool.block(req.slots[rep.staged])
+            staging.buffers[index].copy_(block.reshape(-1).view(torch.uint8))
+            rep.ids.append(self._block_id(req, rep.staged))
+            indices.append(rep.staged)
+            buffers.append(index)
+            rep.staged += 1
+        if indices:
+            self.tasks.soon(self.tasks.replicate_soon, rep, indices, buffers, None)
+        return rep
 
     def finished(self, req: Request) -> bool:
         """The request ended: write what it computed and did not replicate yet (when it

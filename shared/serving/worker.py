@@ -100,8 +100,9 @@ class WorkerMetrics:
         )
         self.swaps = Counter(
             "baton_kv_swaps",
-            "Preempted requests whose KV was swapped to host memory (out) or back (in)",
-            ["direction"],
+            "Preempted requests whose KV went out to host memory or stayed in the KV store "
+            "(tier, when the host space was full), and came back in",
+            ["direction", "tier"],
             registry=r,
         )
         self.swap_bytes = Counter(
@@ -110,7 +111,8 @@ class WorkerMetrics:
         self.recompute_preemptions = Counter(
             "baton_preemption_recomputes",
             "Preempted requests that recompute instead of swapping: recomputing measured "
-            "cheaper (cost) or the host swap space was full (no_room)",
+            "cheaper (cost), or the host swap space was full and nothing spilled to the "
+            "KV store (no_room)",
             ["reason"],
             registry=r,
         )
@@ -182,8 +184,10 @@ class WorkerMetrics:
 
     def _observe_swaps(self, now: SwapStats) -> None:
         seen, self._swap_seen = self._swap_seen, now
-        self.swaps.labels("out").inc(now.swaps_out - seen.swaps_out)
-        self.swaps.labels("in").inc(now.swaps_in - seen.swaps_in)
+        self.swaps.labels("out", "host").inc(now.swaps_out - seen.swaps_out)
+        self.swaps.labels("in", "host").inc(now.swaps_in - seen.swaps_in)
+        self.swaps.labels("out", "store").inc(now.spills_out - seen.spills_out)
+        self.swaps.labels("in", "store").inc(now.spills_in - seen.spills_in)
         self.swap_bytes.labels("out").inc(now.bytes_out - seen.bytes_out)
         self.swap_bytes.labels("in").inc(now.bytes_in - seen.bytes_in)
         self.recompute_preemptions.labels("cost").inc(now.recomputes - seen.recomputes)
@@ -430,6 +434,8 @@ class Worker:
             "thread_changes": float(s.thread_changes),
             "swaps_out": float(snap.swap.swaps_out),
             "swaps_in": float(snap.swap.swaps_in),
+            "spills_out": float(snap.swap.spills_out),
+            "spills_in": float(snap.swap.spills_in),
             "preemptions": float(snap.preemptions),
             "kv_blocks_total": float(snap.num_slots),
             "cached_blocks": float(snap.cached_blocks),

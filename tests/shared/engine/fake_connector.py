@@ -29,6 +29,10 @@ class FakeConnector(KVConnector):
     finished: list[RequestId] = field(default_factory=list)
     layers_waited: list[int] = field(default_factory=list)
     layers_saved: list[int] = field(default_factory=list)
+    # spills: keep a preempted request's whole computed blocks and offer them back
+    keep_spills: bool = False
+    block_size: int = 4
+    spilled: dict[RequestId, list[Slot]] = field(default_factory=dict)  # slots at the call
     _events: dict[str, set[RequestId]] = field(
         default_factory=lambda: {"loaded": set(), "failed": set(), "released": set()}
     )
@@ -78,6 +82,14 @@ class FakeConnector(KVConnector):
             self.loads.pop(request.request_id)
             return True
         return request.request_id in self.hold_on_finish
+
+    def spill(self, request: Request) -> bool:
+        if not self.keep_spills:
+            return False
+        self.spilled[request.request_id] = list(request.slots)
+        kept = request.num_computed_tokens // self.block_size * self.block_size
+        self.offer(request, kept, asynchronous=True)
+        return True
 
     def poll(self) -> ConnectorEvents:
         events = ConnectorEvents(

@@ -261,6 +261,53 @@ def test_without_room_in_host_memory_preemption_recomputes() -> None:
     assert_idle(s)
 
 
+def test_without_room_in_host_memory_a_preempted_request_spills_to_the_connector() -> None:
+    """No host swap space: the victim's KV is handed to the connector while its slots
+    still hold it; resuming loads the whole blocks it kept and computes only the rest."""
+    fake = FakeConnector(keep_spills=True)
+    swapper = Swapper(num_host_blocks=0, block_bytes=100, cost=SwapCostModel(), always=True)
+    s = make(num_blocks=5, budget=64, connector=fake, swapper=swapper)
+    a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    while not b.spilled:
+        run_step(s)
+    assert len(fake.spilled[b.request_id]) >= 2  # its slots, intact at the call
+    assert not b.slots and b.status is RequestStatus.PREEMPTED
+    assert swapper.stats.spills_out == 1 and swapper.stats.recomputes_no_room == 0
+    while b.request_id not in fake.loads:
+        run_step(s)
+    kept = fake.offers[b.request_id].num_tokens
+    assert b.status is RequestStatus.WAITING_FOR_KV and kept % 4 == 0 and kept >= 8
+    fake.end_load(b.request_id)
+    context = b.num_tokens
+    out = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled if x.request is b] == [context - kept]
+    assert swapper.stats.spills_in == 1 and not b.spilled
+    while s.has_unfinished():
+        run_step(s)
+    assert len(b.output_token_ids) == 12 and a.is_finished
+    assert_idle(s)
+
+
+def test_a_spill_whose_load_fails_recomputes() -> None:
+    fake = FakeConnector(keep_spills=True)
+    swapper = Swapper(num_host_blocks=0, block_bytes=100, cost=SwapCostModel(), always=True)
+    s = make(num_blocks=5, budget=64, connector=fake, swapper=swapper)
+    a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    while b.request_id not in fake.loads:
+        run_step(s)
+    fake.end_load(b.request_id, ok=False)
+    run_step(s)
+    assert not b.spilled and not b.load_external and swapper.stats.spills_in == 0
+    while s.has_unfinished():
+        run_step(s)
+    assert len(b.output_token_ids) == 12
+    assert_idle(s)
+
+
 def test_abort_anywhere_frees_blocks() -> None:
     s = make()
     a, b = req(8), req(8, first=70)

@@ -325,3 +325,42 @@ async def test_without_caching_nothing_is_shared_or_looked_up(make_engine: Engin
     keys = {k.hex() for k in p.engine.hasher.keys(prompt)}
     assert not keys & set(first_ids) and not set(first_ids) & set(second_ids)
     assert out.cache_hit == CacheHit() and store.streams == 0
+
+
+async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
+    make_engine: EngineFactory,
+) -> None:
+    """No host swap space and a decode pool too small for its streams: a preempted
+    request's KV stays in the store (its replicated blocks, the last ones staged before its
+    slots went), it resumes by loading prompt *and* answer blocks, and every stream,
+    greedy and seeded, ends with the tokens of one engine alone."""
+    store = fake_store(make_engine)
+    tok = make_engine().tokenizer
+    prompts = [tok.encode(f"Story {i}. " + TEXT[:150]) for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+        for i in range(4)
+    ]
+    expected = [reference(make_engine, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    async with node(make_engine, store) as p:
+        firsts, ids = [], []
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            firsts.append((await p.prefill(prompt, sp, f"p{i}")).new_token_ids[0])
+            ids.append(p.last_plan.put_ids)
+    block_bytes = store.block_bytes
+    # 14 blocks of 16 tokens; the four streams need 4 x 6
+    async with node(make_engine, store, kv_cache_bytes=14 * block_bytes, swap_space_bytes=0) as d:
+        tokens = await asyncio.gather(
+            *(
+                d.decode(prompt, sp, f"d{i}", ids[i], firsts[i])
+                for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+        snap = d.engine.snapshot()
+    assert tokens == expected
+    assert snap.preemptions > 0 and snap.swap.spills_out > 0 and snap.swap.spills_in > 0
+    assert snap.swap.recomputes_no_room == 0 and snap.swap.swaps_out == 0
+    bs = d.engine.layout.block_size
+    longest_prompt = max(-(-len(x) // bs) for x in prompts)
+    assert max(len(s) for s in store.streamed) > longest_prompt  # answer blocks came back
+    assert d.engine.kv.num_free == d.engine.kv.num_slots
