@@ -401,7 +401,9 @@ class Scheduler:
             req.num_computed_tokens = self._load_target.pop(rid)
             self.kv.cache_blocks(req)
             if req.spilled and self.swapper is not None:
-                self.swapper.stats.spills_in += 1
+                stats = self.swapper.stats
+                stats.spills_in += 1
+                stats.spilled_tokens_in += max(0, req.num_computed_tokens - req.num_prompt_tokens)
             req.spilled = False
             self._requeue(req)
         for rid in events.failed:

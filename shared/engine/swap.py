@@ -79,6 +79,7 @@ class SwapStats:
     bytes_in: int = 0
     spills_out: int = 0  # preemptions whose KV stayed in the store (host space full)
     spills_in: int = 0  # ... that resumed by loading it back
+    spilled_tokens_in: int = 0  # generated tokens whose KV those loads brought back
     recomputes: int = 0  # preemptions that recomputed because that was cheaper
     recomputes_no_room: int = 0  # ... because the host space was full and nothing spilled
 

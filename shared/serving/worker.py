@@ -108,6 +108,12 @@ class WorkerMetrics:
         self.swap_bytes = Counter(
             "baton_kv_swap_bytes", "KV bytes swapped, by direction", ["direction"], registry=r
         )
+        self.spilled_tokens = Counter(
+            "baton_kv_spill_resumed_tokens",
+            "Generated tokens of preempted requests whose KV was loaded back from the KV "
+            "store (spilled) rather than recomputed",
+            registry=r,
+        )
         self.recompute_preemptions = Counter(
             "baton_preemption_recomputes",
             "Preempted requests that recompute instead of swapping: recomputing measured "
@@ -188,6 +194,7 @@ class WorkerMetrics:
         self.swaps.labels("in", "host").inc(now.swaps_in - seen.swaps_in)
         self.swaps.labels("out", "store").inc(now.spills_out - seen.spills_out)
         self.swaps.labels("in", "store").inc(now.spills_in - seen.spills_in)
+        self.spilled_tokens.inc(now.spilled_tokens_in - seen.spilled_tokens_in)
         self.swap_bytes.labels("out").inc(now.bytes_out - seen.bytes_out)
         self.swap_bytes.labels("in").inc(now.bytes_in - seen.bytes_in)
         self.recompute_preemptions.labels("cost").inc(now.recomputes - seen.recomputes)
@@ -436,6 +443,7 @@ class Worker:
             "swaps_in": float(snap.swap.swaps_in),
             "spills_out": float(snap.swap.spills_out),
             "spills_in": float(snap.swap.spills_in),
+            "spilled_tokens_in": float(snap.swap.spilled_tokens_in),
             "preemptions": float(snap.preemptions),
             "kv_blocks_total": float(snap.num_slots),
             "cached_blocks": float(snap.cached_blocks),

@@ -284,6 +284,7 @@ def test_without_room_in_host_memory_a_preempted_request_spills_to_the_connector
     out = run_step(s)
     assert [x.num_new_tokens for x in out.scheduled if x.request is b] == [context - kept]
     assert swapper.stats.spills_in == 1 and not b.spilled
+    assert swapper.stats.spilled_tokens_in == kept - b.num_prompt_tokens
     while s.has_unfinished():
         run_step(s)
     assert len(b.output_token_ids) == 12 and a.is_finished

@@ -359,6 +359,7 @@ async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
         snap = d.engine.snapshot()
     assert tokens == expected
     assert snap.preemptions > 0 and snap.swap.spills_out > 0 and snap.swap.spills_in > 0
+    assert snap.swap.spilled_tokens_in > 0
     assert snap.swap.recomputes_no_room == 0 and snap.swap.swaps_out == 0
     bs = d.engine.layout.block_size
     longest_prompt = max(-(-len(x) // bs) for x in prompts)
