@@ -102,6 +102,7 @@ class Scheduler:
         self.releasing: dict[RequestId, Request] = {}  # finished; the connector holds slots
         self.requests: dict[RequestId, Request] = {}
         self._load_target: dict[RequestId, int] = {}
+        self._spill_loads: dict[RequestId, int] = {}  # spilled tokens an ongoing load brings back
         self._copy_out: list[BlockCopy] = []
         self.num_preemptions = 0  # swapped or recomputed
         self._copy_in: list[BlockCopy] = []
@@ -235,6 +236,7 @@ class Scheduler:
             if not self.kv.can_admit(hits, computed, headroom=len(self.running)):
                 return None
             self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
+            self._resume_spill(req, local, computed, pending=True)
             req.status = RequestStatus.WAITING_FOR_KV
             self.loading[req.request_id] = req
             self._load_target[req.request_id] = computed
@@ -254,12 +256,32 @@ class Scheduler:
         if not self.kv.can_admit(hits, computed + num_new):
             return None
         self._take(req, hits, computed + num_new, CacheHit(local, ext.num_tokens))
+        self._resume_spill(req, local, computed, pending=False)
         req.num_computed_tokens = computed
         if ext.num_tokens:
             self._start_load(req, len(hits), req.slots[len(hits) : computed // bs])
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return num_new
+
+    def _resume_spill(self, req: Request, local: int, computed: int, *, pending: bool) -> None:
+        """A spilled request is admitted again: what its connector load brings back past
+        the prompt counts as spilled KV coming in (once the load ends, when ``pending``)."""
+        if not req.spilled:
+            return
+        req.spilled = False
+        back = max(0, computed - max(local, req.num_prompt_tokens))
+        if not back:  # nothing past the prompt came back: it recomputes those tokens
+            return
+        if pending:
+            self._spill_loads[req.request_id] = back
+        else:
+            self._spilled_in(back)
+
+    def _spilled_in(self, tokens: int) -> None:
+        if self.swapper is not None:
+            self.swapper.stats.spills_in += 1
+            self.swapper.stats.spilled_tokens_in += tokens
 
     def _external(self, req: Request, local: int) -> ExternalHit:
         """The connector's offer, clamped: an in-step load stops at the last full block
@@ -400,16 +422,14 @@ class Scheduler:
                 continue
             req.num_computed_tokens = self._load_target.pop(rid)
             self.kv.cache_blocks(req)
-            if req.spilled and self.swapper is not None:
-                stats = self.swapper.stats
-                stats.spills_in += 1
-                stats.spilled_tokens_in += max(0, req.num_computed_tokens - req.num_prompt_tokens)
-            req.spilled = False
+            if back := self._spill_loads.pop(rid, 0):
+                self._spilled_in(back)
             self._requeue(req)
         for rid in events.failed:
             req = self.loading.pop(rid, None)
             if req is not None:
                 self._load_target.pop(rid, None)
+                self._spill_loads.pop(rid, None)
                 self._recompute(req)
         for rid in events.released:
             req = self.releasing.pop(rid, None)
@@ -463,6 +483,7 @@ class Scheduler:
         self.loading.pop(request_id, None)
         self.parked.pop(request_id, None)
         self._load_target.pop(request_id, None)
+        self._spill_loads.pop(request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if self.connector is not None and self.connector.request_finished(req):

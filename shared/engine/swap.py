@@ -142,15 +142,16 @@ class Swapper:
 
     def swap_out(self, slots: list[Slot], num_tokens: int) -> tuple[SwappedOut, list[BlockCopy]]:
         """Copies that save ``slots`` (the request's first blocks, covering
-        ``num_tokens``) to host blocks; raises :class:`CheaperToRecompute` or
-        :class:`HostSwapFull` (which the scheduler answers with a spill, and counts)."""
+        ``num_tokens``) to host blocks; raises :class:`HostSwapFull` (which the scheduler
+        answers with a spill, and counts) before asking the cost model, which prices only
+        host copies, or :class:`CheaperToRecompute`."""
+        if len(slots) > len(self._free):  # the next tier (the connector) decides for itself
+            raise HostSwapFull("the host swap space is full")
         nbytes = len(slots) * self.block_bytes
         mode = PreemptionMode.SWAP if self.always else self.cost.choose(num_tokens, nbytes)
         if mode is PreemptionMode.RECOMPUTE:
             self.stats.recomputes += 1
             raise CheaperToRecompute("recomputing is cheaper")
-        if len(slots) > len(self._free):
-            raise HostSwapFull("the host swap space is full")
         hosts = [self._free.pop() for _ in slots]
         self.stats.swaps_out += 1
         self.stats.bytes_out += nbytes

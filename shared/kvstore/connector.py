@@ -213,11 +213,11 @@ class KVStoreConnector(KVConnector):
     # -- the connector (engine thread) ------------------------------------------------------
     def external_hit(self, request: Request, num_local_tokens: int) -> ExternalHit:
         plan = _plan(request)
+        if plan is not None and request.spilled:
+            self._resume_from_store(request, plan)
         if plan is None or not plan.load_ids:
             return NO_HIT
         bs = self.layout.block_size
-        if request.spilled:
-            self._resume_from_store(request, plan)
         if plan.asynchronous:  # the last block may be partial (the prompt's tail)
             loadable = min(plan.load_tokens, len(plan.load_ids) * bs)
             return ExternalHit(max(0, loadable - num_local_tokens), asynchronous=True)
@@ -231,15 +231,23 @@ class KVStoreConnector(KVConnector):
 
     def _resume_from_store(self, request: Request, plan: StorePlan) -> None:
         """A spilled request comes back: load what its replication committed, when that
-        is more than the prompt (an uncommitted block is recomputed, never waited for)."""
+        is more than the prompt. Every block it loads now is committed: an uncommitted
+        one is recomputed, never waited for."""
         committed = self.replicator.committed_ids(request.request_id)
         tokens = len(committed) * self.layout.block_size
         if tokens > plan.load_tokens:
             plan.load_ids, plan.load_tokens = committed, tokens
+        plan.wait_s = 0.0
 
     def spill(self, request: Request) -> bool:
+        """Keep a preempted decode request's KV in the store when loading its generated
+        part back is cheaper than recomputing it (the pull cost model: this instance's
+        measured load bandwidth against its compute rate). Not after a failed load: the
+        request then recomputes and loads nothing."""
         plan = _plan(request)
-        if plan is None or not (plan.asynchronous and plan.replicate):
+        if plan is None or not (plan.asynchronous and plan.replicate and request.load_external):
+            return False
+        if not self.pull.worth_pulling(request.num_computed_tokens - request.num_prompt_tokens):
             return False
         return self.replicator.spill(request, self._stored_ids)
 
@@ -351,8 +359,8 @@ class KVStoreConnector(KVConnector):
             plan.lease = None
         if plan.put_job is not None:
             self.tasks.soon(self.tasks.end_put_soon, plan.put_job)
-        if not held and plan.replicate:
-            held = self.replicator.finished(request)
+        if plan.replicate:  # reads no slot while a load fills them (nothing computed yet)
+            held = self.replicator.finished(request) or held
         return held
 
     def poll(self) -> ConnectorEvents:

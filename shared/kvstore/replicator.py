@@ -53,14 +53,21 @@ class Replicator:
 
     def spill(self, req: Request, stored: Callable[[Request], list[str] | None]) -> bool:
         """``req`` is preempted and gives up its slots: stage its completed blocks not
-        staged yet while the slots still hold them. True when it replicates: the store
-        then holds its KV up to the watermark (``committed_ids``) for when it resumes."""
-        return self._stage_request(req, stored) is not None
+        staged yet while the slots still hold them (as many as free staging buffers
+        take; the rest is recomputed). True when the store will hold KV of it past the
+        prompt, up to the watermark (``committed_ids``) for when it resumes."""
+        rep = self._stage_request(req, stored)
+        bs = self.tasks.layout_block_size()
+        return rep is not None and rep.staged * bs > req.num_prompt_tokens
 
     def committed_ids(self, request_id: RequestId) -> list[str]:
         """Ids of the request's leading blocks committed to the store, in order."""
         rep = self.replications.get(request_id)
-        return [] if rep is None else rep.ids[: rep.watermark]
+        if rep is None:
+            return []
+        with self.tasks.cond:  # the event loop publishes it
+            committed = rep.committed_blocks
+        return rep.ids[:committed]
 
     def _stage_request(
         self, req: Request, stored: Callable[[Request], list[str] | None]

@@ -301,6 +301,9 @@ class TransferTasks:
             rep.committed.discard(rep.watermark)
             rep.watermark += 1
             moved = True
+        if moved:
+            with self.cond:
+                rep.committed_blocks = rep.watermark
         lag = (rep.staged - rep.watermark) * block_size
         self.metrics.replication_lag.observe(lag)
         if moved and rep.keep and self.watermarks is not None:

@@ -143,6 +143,8 @@ class Replication:
     ``watermark`` is the number of leading blocks committed, ``pending`` the writes
     in flight, ``settled`` is set whenever none is. ``keep`` turns False when the
     request finished normally: its watermark is then dropped, not advanced.
+    ``committed_blocks`` is the watermark as the engine thread may read it (under
+    the transfer tasks' condition).
     """
 
     request_id: RequestId
@@ -152,7 +154,9 @@ class Replication:
     committed: set[int] = field(default_factory=set)
     pending: int = 0
     keep: bool = True
+    committed_blocks: int = 0
     settled: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.settled.set()
+        self.committed_blocks = self.watermark

@@ -4,6 +4,7 @@ through a fake connector (a stand-in for the KV store that the test drives)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -54,6 +55,15 @@ def req(n_prompt: int, max_tokens: int = 4, first: int = 10) -> Request:
         seed=0,
         arrival=0.0,
     )
+
+
+def run_until(s: Scheduler, done: Callable[[], bool], limit: int = 100) -> None:
+    """Step until ``done()``; fails (rather than hangs) after ``limit`` steps."""
+    for _ in range(limit):
+        if done():
+            return
+        run_step(s)
+    raise AssertionError(f"not reached in {limit} steps")
 
 
 def run_step(s: Scheduler, token: int = 100) -> SchedulerOutput:
@@ -267,16 +277,15 @@ def test_without_room_in_host_memory_a_preempted_request_spills_to_the_connector
     fake = FakeConnector(keep_spills=True)
     swapper = Swapper(num_host_blocks=0, block_bytes=100, cost=SwapCostModel(), always=True)
     s = make(num_blocks=5, budget=64, connector=fake, swapper=swapper)
-    a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
+    a, b = req(6, max_tokens=12), req(6, max_tokens=12, first=40)
     s.add(a)
     s.add(b)
-    while not b.spilled:
-        run_step(s)
+    run_until(s, lambda: b.spilled)
     assert len(fake.spilled[b.request_id]) >= 2  # its slots, intact at the call
     assert not b.slots and b.status is RequestStatus.PREEMPTED
     assert swapper.stats.spills_out == 1 and swapper.stats.recomputes_no_room == 0
-    while b.request_id not in fake.loads:
-        run_step(s)
+    run_until(s, lambda: b.request_id in fake.loads)
+    assert not b.spilled and swapper.stats.spills_in == 0  # counted once the load ends
     kept = fake.offers[b.request_id].num_tokens
     assert b.status is RequestStatus.WAITING_FOR_KV and kept % 4 == 0 and kept >= 8
     fake.end_load(b.request_id)
@@ -298,14 +307,35 @@ def test_a_spill_whose_load_fails_recomputes() -> None:
     a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
     s.add(a)
     s.add(b)
-    while b.request_id not in fake.loads:
-        run_step(s)
+    run_until(s, lambda: b.request_id in fake.loads)
+    assert swapper.stats.spills_out == 1
     fake.end_load(b.request_id, ok=False)
     run_step(s)
     assert not b.spilled and not b.load_external and swapper.stats.spills_in == 0
     while s.has_unfinished():
         run_step(s)
     assert len(b.output_token_ids) == 12
+    assert_idle(s)
+
+
+def test_a_spill_that_comes_back_with_only_its_prompt_is_not_counted_in() -> None:
+    """The store kept nothing past the prompt by the time it resumes (say it evicted the
+    answer's blocks): the load brings the prompt, the rest is recomputed, and the spill
+    does not count as KV coming back."""
+    fake = FakeConnector(keep_spills=True)
+    swapper = Swapper(num_host_blocks=0, block_bytes=100, cost=SwapCostModel(), always=True)
+    s = make(num_blocks=5, budget=64, connector=fake, swapper=swapper)
+    a, b = req(8, max_tokens=12), req(8, max_tokens=12, first=40)
+    s.add(a)
+    s.add(b)
+    run_until(s, lambda: b.spilled)
+    fake.offer(b, b.num_prompt_tokens, asynchronous=True)
+    run_until(s, lambda: b.request_id in fake.loads)
+    assert not b.spilled
+    fake.end_load(b.request_id)
+    run_until(s, lambda: not s.has_unfinished())
+    assert swapper.stats.spills_out == 1 and swapper.stats.spills_in == 0
+    assert swapper.stats.spilled_tokens_in == 0 and len(b.output_token_ids) == 12
     assert_idle(s)
 
 

@@ -89,6 +89,10 @@ def test_swapper_recomputes_when_full_or_cheaper_and_counts_why() -> None:
     with pytest.raises(CheaperToRecompute):
         cheap.swap_out([Slot(0)], 16)
     assert cheap.stats.recomputes == 1
+    # no room: the host cost model is not asked (the connector's tier prices itself)
+    with pytest.raises(HostSwapFull):
+        cheap.swap_out([Slot(0), Slot(1), Slot(2)], 16)
+    assert cheap.stats.recomputes == 1
 
 
 def test_a_step_copies_out_or_in_never_both() -> None:

@@ -89,6 +89,8 @@ class FakeKVStoreClient:
         self.phantoms: set[str] = set()  # index entries for blocks the store no longer has
         self.break_streams_after: int | None = None  # layers a stream delivers, then fails
         self.streams = 0
+        self.hold_streams_from: int | None = None  # streams past this many wait for ``gate``
+        self.gate = asyncio.Event()
         self.streamed: list[list[str]] = []  # the ids of every stream, in order
 
     # -- test controls -----------------------------------------------------------------
@@ -145,6 +147,8 @@ class FakeKVStoreClient:
     ) -> AsyncIterator[int]:
         self.streams += 1
         self.streamed.append(list(ids))
+        if self.hold_streams_from is not None and self.streams > self.hold_streams_from:
+            await self.gate.wait()
         views = [np.frombuffer(as_bytes_view(b), dtype=np.uint8) for b in into]
         lb = self.block_bytes // num_layers
         async with asyncio.timeout(wait_s):

@@ -122,6 +122,19 @@ async def node(
         await connector.close()
 
 
+class FakeWatermarks:
+    """Stands in for the Redis watermarks: a replicating request keeps its own."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+
+    async def advance(self, request_id: str, instance_id: str, tokens: int, ids: object) -> None:
+        self.tokens[request_id] = tokens
+
+    async def drop(self, request_id: str) -> None:
+        self.tokens.pop(request_id, None)
+
+
 def fake_store(make_engine: EngineFactory) -> FakeKVStoreClient:
     layout = make_engine(kv_cache_bytes=1 << 20).layout
     return FakeKVStoreClient(layout.block_bytes, layout.num_layers)
@@ -364,4 +377,50 @@ async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
     bs = d.engine.layout.block_size
     longest_prompt = max(-(-len(x) // bs) for x in prompts)
     assert max(len(s) for s in store.streamed) > longest_prompt  # answer blocks came back
+    assert d.engine.kv.num_free == d.engine.kv.num_slots
+    assert not d.connector.replicator.replications
+
+
+async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
+    make_engine: EngineFactory,
+) -> None:
+    """A client leaves while its spilled stream loads its KV back: the load is cancelled,
+    the replication ends (nothing leaks) and how far its KV is stored stays readable for
+    an instance that resumes it; the other streams keep their tokens."""
+    store = fake_store(make_engine)
+    tok = make_engine().tokenizer
+    prompts = [tok.encode(f"Story {i}. " + TEXT[:150]) for i in range(4)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    async with node(make_engine, store) as p:
+        firsts, ids = [], []
+        for i, prompt in enumerate(prompts):
+            firsts.append((await p.prefill(prompt, params, f"p{i}")).new_token_ids[0])
+            ids.append(p.last_plan.put_ids)
+    store.hold_streams_from = len(prompts)  # the prompt loads pass; resumes wait
+    async with node(
+        make_engine, store, kv_cache_bytes=14 * store.block_bytes, swap_space_bytes=0
+    ) as d:
+        d.connector.tasks.watermarks = FakeWatermarks()  # type: ignore[assignment]
+        streams = [
+            asyncio.create_task(d.decode(prompt, params, f"d{i}", ids[i], firsts[i]))
+            for i, prompt in enumerate(prompts)
+        ]
+        async with asyncio.timeout(120):
+            while store.streams <= len(prompts):
+                await asyncio.sleep(0.05)
+        loading = await d.loop.call(lambda e: list(e.scheduler.loading))
+        assert len(loading) == 1
+        rid = loading[0]
+        assert await d.loop.call(lambda e: e.abort(rid))
+        store.gate.set()
+        streams.pop(int(rid.removeprefix("d"))).cancel()
+        tokens = await asyncio.gather(*streams)
+        mark = await d.connector.final_watermark(rid)
+    others = [x for i, x in enumerate(prompts) if f"d{i}" != rid]
+    for t, prompt in zip(tokens, others, strict=True):
+        assert t == reference(make_engine, prompt, params)
+    assert not d.connector.replicator.replications
+    bs = d.engine.layout.block_size
+    aborted = prompts[int(rid.removeprefix("d"))]
+    assert mark is not None and mark.tokens >= len(aborted) // bs * bs
     assert d.engine.kv.num_free == d.engine.kv.num_slots
