@@ -133,7 +133,7 @@ def run_mode(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     import sys
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=64)
