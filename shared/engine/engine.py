@@ -362,7 +362,7 @@ class Engine:
             num_slots=kv.num_slots,
             cached_blocks=kv.num_cached,
             requests=frozenset(s.requests),
-            preemptions=s.num_preemptions,
+            preemptions=s.preemption.num_preemptions,
             swap=replace(s.swapper.stats) if s.swapper is not None else SwapStats(),
             pending_by_request=pending,
             waiting_ids=frozenset(r.request_id for r in s.waiting),

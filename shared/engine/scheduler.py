@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from shared.config import SchedulerConfig
 from shared.engine.kv_cache_manager import KVCacheManager, Slot, cdiv
 from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
+from shared.engine.preemption import Preemption
 from shared.engine.request import (
     CacheHit,
     FinishReason,
@@ -46,7 +47,7 @@ from shared.engine.request import (
     RequestStatus,
     SampledToken,
 )
-from shared.engine.swap import BlockCopy, CheaperToRecompute, HostSwapFull, Swapper, SwapPlan
+from shared.engine.swap import Swapper, SwapPlan
 from shared.errors import InvalidRequestError, RequestTooLongError
 from shared.kv.block_hash import BlockKey
 
@@ -90,6 +91,7 @@ class Scheduler:
     ):
         self.config = config
         self.swapper = swapper
+        self.preemption = Preemption(swapper, connector, kv.block_size)
         self.kv = kv
         self.connector = connector
         self.block_size = kv.block_size
@@ -102,10 +104,6 @@ class Scheduler:
         self.releasing: dict[RequestId, Request] = {}  # finished; the connector holds slots
         self.requests: dict[RequestId, Request] = {}
         self._load_target: dict[RequestId, int] = {}
-        self._spill_loads: dict[RequestId, int] = {}  # spilled tokens an ongoing load brings back
-        self._copy_out: list[BlockCopy] = []
-        self.num_preemptions = 0  # swapped or recomputed
-        self._copy_in: list[BlockCopy] = []
 
     # -- admission -------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -172,10 +170,7 @@ class Scheduler:
             idx += 1
         if not preempted:
             self._admit(budget, scheduled)
-        swaps = SwapPlan(tuple(self._copy_out), tuple(self._copy_in))
-        self._copy_out.clear()
-        self._copy_in.clear()
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), swaps)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), self.preemption.take_plan())
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         computing = self._blocks_being_computed()
@@ -236,7 +231,7 @@ class Scheduler:
             if not self.kv.can_admit(hits, computed, headroom=len(self.running)):
                 return None
             self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
-            self._resume_spill(req, local, computed, pending=True)
+            self.preemption.resumed(req, local, computed, pending=True)
             req.status = RequestStatus.WAITING_FOR_KV
             self.loading[req.request_id] = req
             self._load_target[req.request_id] = computed
@@ -256,32 +251,13 @@ class Scheduler:
         if not self.kv.can_admit(hits, computed + num_new):
             return None
         self._take(req, hits, computed + num_new, CacheHit(local, ext.num_tokens))
-        self._resume_spill(req, local, computed, pending=False)
+        self.preemption.resumed(req, local, computed, pending=False)
         req.num_computed_tokens = computed
         if ext.num_tokens:
             self._start_load(req, len(hits), req.slots[len(hits) : computed // bs])
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return num_new
-
-    def _resume_spill(self, req: Request, local: int, computed: int, *, pending: bool) -> None:
-        """A spilled request is admitted again: what its connector load brings back past
-        the prompt counts as spilled KV coming in (once the load ends, when ``pending``)."""
-        if not req.spilled:
-            return
-        req.spilled = False
-        back = max(0, computed - max(local, req.num_prompt_tokens))
-        if not back:  # nothing past the prompt came back: it recomputes those tokens
-            return
-        if pending:
-            self._spill_loads[req.request_id] = back
-        else:
-            self._spilled_in(back)
-
-    def _spilled_in(self, tokens: int) -> None:
-        if self.swapper is not None:
-            self.swapper.stats.spills_in += 1
-            self.swapper.stats.spilled_tokens_in += tokens
 
     def _external(self, req: Request, local: int) -> ExternalHit:
         """The connector's offer, clamped: an in-step load stops at the last full block
@@ -330,42 +306,17 @@ class Scheduler:
         return remaining if budget is None else min(remaining, budget)
 
     def _preempt(self, req: Request) -> RequestId:
-        self.num_preemptions += 1
-        if not self._swap_out(req):
-            req.num_computed_tokens = 0
+        self.preemption.evict(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         return req.request_id
 
-    def _swap_out(self, req: Request) -> bool:
-        """Copy the request's computed blocks to host memory if that is cheaper than
-        recomputing them and there is room; False: it starts over, after a spill to the
-        connector when the host space was full (its slots are still intact here)."""
-        n = req.num_computed_tokens
-        if self.swapper is None or n == 0:
-            return False
-        try:
-            swapped, copies = self.swapper.swap_out(req.slots[: cdiv(n, self.block_size)], n)
-        except CheaperToRecompute:
-            return False
-        except HostSwapFull:
-            stats = self.swapper.stats
-            req.spilled = self.connector is not None and self.connector.spill(req)
-            if req.spilled:
-                stats.spills_out += 1
-            else:
-                stats.recomputes_no_room += 1
-            return False
-        req.swapped = swapped
-        self._copy_out.extend(copies)
-        return True
-
     def _swap_in(self, req: Request, budget: int) -> int | None:
         """Resume a swapped-out request: fresh slots, its blocks copied back, then compute
         what it had not (at least its last token, whose logits give the next one)."""
         swapped = req.swapped
-        if swapped is None or self.swapper is None:
+        if swapped is None:
             raise RuntimeError(f"{req.request_id} has nothing swapped out")
         if budget <= 0:
             return None
@@ -374,8 +325,7 @@ class Scheduler:
         if not self.kv.can_admit([], computed + num_new):
             return None
         self._take(req, [], computed + num_new, req.cache_hit)
-        self._copy_in.extend(self.swapper.swap_in(swapped, req.slots[: len(swapped.host_blocks)]))
-        req.swapped = None
+        self.preemption.swap_in(req, req.slots)
         req.num_computed_tokens = computed
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -422,14 +372,13 @@ class Scheduler:
                 continue
             req.num_computed_tokens = self._load_target.pop(rid)
             self.kv.cache_blocks(req)
-            if back := self._spill_loads.pop(rid, 0):
-                self._spilled_in(back)
+            self.preemption.load_ended(rid, ok=True)
             self._requeue(req)
         for rid in events.failed:
             req = self.loading.pop(rid, None)
             if req is not None:
                 self._load_target.pop(rid, None)
-                self._spill_loads.pop(rid, None)
+                self.preemption.load_ended(rid, ok=False)
                 self._recompute(req)
         for rid in events.released:
             req = self.releasing.pop(rid, None)
@@ -477,13 +426,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.swapped is not None and self.swapper is not None:
-            self.swapper.discard(req.swapped)
-            req.swapped = None
+        self.preemption.discard(req)
         self.loading.pop(request_id, None)
         self.parked.pop(request_id, None)
         self._load_target.pop(request_id, None)
-        self._spill_loads.pop(request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if self.connector is not None and self.connector.request_finished(req):

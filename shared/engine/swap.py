@@ -19,8 +19,9 @@ everything (the prompt's blocks may still come back from the local prefix cache
 or the KV store, as for any request).
 
 Ownership: the :class:`Swapper` (pure Python, the scheduler's) decides and
-keeps the host block free list; the scheduler puts the :class:`BlockCopy` lists
-in its step output; the engine runs them on the
+keeps the host block free list; the scheduler's
+:class:`~shared.engine.preemption.Preemption` plans the :class:`BlockCopy` lists
+that leave with the step's output; the engine runs them on the
 :class:`~shared.kv.host_swap.HostSwapSpace` before the step's forward. A slot a
 copy-out reads may be handed to another request in the same step: the copy
 runs before anything writes it. A step copies out or in, never both (a step
