@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.engine_loop import EngineLoop, next_output
-from shared.engine.request import CacheHit, SampledToken
+from shared.engine.request import CacheHit, Request, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.kvstore.connector import KVStoreConnector, StorePlan
 from shared.kvstore.connector_metrics import ConnectorMetrics
@@ -341,12 +342,13 @@ async def test_without_caching_nothing_is_shared_or_looked_up(make_engine: Engin
 
 
 async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
-    make_engine: EngineFactory,
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No host swap space and a decode pool too small for its streams: a preempted
-    request's KV stays in the store (its replicated blocks, the last ones staged before its
-    slots went), it resumes by loading prompt *and* answer blocks, and every stream,
-    greedy and seeded, ends with the tokens of one engine alone."""
+    request's KV stays in the store (its replicated blocks, and the ones replication had
+    not staged yet, staged by the spill before its slots go), it resumes by loading
+    prompt *and* answer blocks, and every stream, greedy and seeded, ends with the
+    tokens of one engine alone."""
     store = fake_store(make_engine)
     tok = make_engine().tokenizer
     prompts = [tok.encode(f"Story {i}. " + TEXT[:150]) for i in range(4)]
@@ -363,6 +365,7 @@ async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
     block_bytes = store.block_bytes
     # 14 blocks of 16 tokens; the four streams need 4 x 6
     async with node(make_engine, store, kv_cache_bytes=14 * block_bytes, swap_space_bytes=0) as d:
+        staged = spy_on_spills(d, monkeypatch)
         tokens = await asyncio.gather(
             *(
                 d.decode(prompt, sp, f"d{i}", ids[i], firsts[i])
@@ -371,6 +374,11 @@ async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
         )
         snap = d.engine.snapshot()
     assert tokens == expected
+    # replication lags a step behind; a spill stages every completed block before the
+    # slots go (the fake store's staging buffers never run out here)
+    assert len(staged) == snap.swap.spills_out
+    assert all(s.after == s.completed for s in staged)
+    assert any(s.after > s.before for s in staged)
     assert snap.preemptions > 0 and snap.swap.spills_out > 0 and snap.swap.spills_in > 0
     assert snap.swap.spilled_tokens_in > 0
     assert snap.swap.recomputes_no_room == 0 and snap.swap.swaps_out == 0
@@ -379,6 +387,35 @@ async def test_a_preempted_decode_spills_to_the_store_and_resumes_from_it(
     assert max(len(s) for s in store.streamed) > longest_prompt  # answer blocks came back
     assert d.engine.kv.num_free == d.engine.kv.num_slots
     assert not d.connector.replicator.replications
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One spill: the request's completed blocks, and how many were staged for the store
+    before the spill and after it."""
+
+    completed: int
+    before: int
+    after: int
+
+
+def spy_on_spills(d: Node, monkeypatch: pytest.MonkeyPatch) -> list[Staged]:
+    replicator = d.connector.replicator
+    spill = replicator.spill
+    bs = d.engine.layout.block_size
+    seen: list[Staged] = []
+
+    def spying(req: Request, stored: Callable[[Request], list[str] | None]) -> bool:
+        rep = replicator.replications.get(req.request_id)
+        before = rep.staged if rep is not None else 0
+        kept = spill(req, stored)
+        rep = replicator.replications[req.request_id]
+        if kept:
+            seen.append(Staged(req.num_computed_tokens // bs, before, rep.staged))
+        return kept
+
+    monkeypatch.setattr(replicator, "spill", spying)
+    return seen
 
 
 async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
@@ -409,7 +446,7 @@ async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
             while store.streams <= len(prompts):
                 await asyncio.sleep(0.05)
         loading = await d.loop.call(lambda e: list(e.scheduler.loading))
-        assert len(loading) == 1
+        assert loading  # one resume or more, all held
         rid = loading[0]
         assert await d.loop.call(lambda e: e.abort(rid))
         store.gate.set()
