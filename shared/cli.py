@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a mixed pool: every prefill and decode instance can serve the other role, and "
         "the gateway lends one whose own queue is empty to the other role while that "
         "role's queue is over its bound (BATON_GATEWAY_LEND_PREFILL_TOKENS, "
-        "BATON_GATEWAY_LEND_DECODE_RUNNING)",
+        "BATON_GATEWAY_LEND_DECODE_RUNNING) and, for a decode instance, while its recent "
+        "steps stay under BATON_GATEWAY_LEND_DECODE_STEP_S",
     )
     up.add_argument(
         "--preemption-mode",

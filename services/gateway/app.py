@@ -81,7 +81,11 @@ class Gateway:
             balance_tokens=settings.balance_tokens,
             index=index,
             reap_s=settings.reap_s,
-            lend=LendPolicy(settings.lend_prefill_tokens, settings.lend_decode_running),
+            lend=LendPolicy(
+                settings.lend_prefill_tokens,
+                settings.lend_decode_running,
+                settings.lend_decode_step_s,
+            ),
         )
         self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
         self.http = httpx.AsyncClient(  # internal calls: they present the cluster secret

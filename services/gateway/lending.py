@@ -9,7 +9,10 @@ other one too. The gateway sends it the other role's work only while
 - the mixed instance's own queue is empty: no prompt tokens queued (a prefill
   instance; the prompt of the request being placed, if it is computing there, does
   not count), no request waiting for KV and fewer than ``decode_running`` streams
-  (a decode instance);
+  (a decode instance); and a decode instance's own streams have room: its recent
+  steps (``step_s`` in its load, prompt chunks it took included) average under
+  ``decode_step_s``, so lending stops while the prompts it took push its streams'
+  time per output token up, and resumes once they are back under it;
 
 or while that role has no instance of its own left (then every mixed one serves it).
 
@@ -37,6 +40,7 @@ def other_role(role: str) -> str:
 class LendPolicy:
     prefill_tokens: float = 512.0
     decode_running: float = 32.0
+    decode_step_s: float = 0.075  # 0: a decode instance's step time does not count
 
     def over_bound(self, role: str, own: Sequence[Member], score: Score) -> bool:
         """Whether ``role``'s own instances are all past its bound (or there are none)."""
@@ -48,8 +52,10 @@ class LendPolicy:
             return False
         if member.role == "prefill":
             return score(member, "prefill") <= 0.0
-        return member.load.get("waiting_kv", 0.0) <= 0.0 and (
-            score(member, "decode") < self.decode_running
+        return (
+            member.load.get("waiting_kv", 0.0) <= 0.0
+            and score(member, "decode") < self.decode_running
+            and not (self.decode_step_s and member.load.get("step_s", 0.0) >= self.decode_step_s)
         )
 
     def lendable(

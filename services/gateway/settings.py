@@ -42,6 +42,9 @@ class GatewaySettings(BaseSettings):
     # tokens queued (prefill) or runs this many streams or waits for KV space (decode)
     lend_prefill_tokens: float = Field(default=512.0, ge=0)
     lend_decode_running: float = Field(default=32.0, ge=1)
+    # ... and a decode instance only while its recent steps take less than this (its
+    # streams' time per output token, with the prompt chunks it took); 0: no limit
+    lend_decode_step_s: float = Field(default=0.075, ge=0)
     # scope every request's cache_salt to its API key: tenants never share KV blocks
     cache_salt_by_api_key: bool = False
 

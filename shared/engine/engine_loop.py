@@ -61,13 +61,38 @@ async def next_output(outputs: asyncio.Queue[Output]) -> RequestOutput:
     return out
 
 
+# one step moves the recent step time this far (exponentially weighted mean)
+STEP_EWMA_WEIGHT = 0.25
+# an engine that has not stepped for this long has no recent step time
+IDLE_AFTER_S = 1.0
+
+
 @dataclass
 class LoopStats:
+    """Written by the engine thread; readers elsewhere see a step's figures or the last's."""
+
     steps: int = 0
     busy_s: float = 0.0
     last_step_s: float = 0.0
     threads: int = 0  # of the last step
     thread_changes: int = 0
+    recent_step_s: float = 0.0  # mean of the recent steps' durations, weighted to the last
+    last_step_end: float = 0.0  # time.perf_counter()
+
+    def observe_step(self, seconds: float, end: float) -> None:
+        self.steps += 1
+        self.busy_s += seconds
+        self.last_step_s = seconds
+        w = STEP_EWMA_WEIGHT if self.recent_step_s else 1.0
+        self.recent_step_s += w * (seconds - self.recent_step_s)
+        self.last_step_end = end
+
+    def step_time(self, now: float) -> float:
+        """How long this engine's steps take lately (what a stream here waits per
+        token); 0 once it has not stepped for :data:`IDLE_AFTER_S`."""
+        if not self.steps or now - self.last_step_end > IDLE_AFTER_S:
+            return 0.0
+        return self.recent_step_s
 
 
 class EngineLoop:
@@ -214,11 +239,10 @@ class EngineLoop:
             self._use_threads(self.threads.decide())
         t0 = time.perf_counter()
         outputs = self.engine.step()
-        dt = time.perf_counter() - t0
+        end = time.perf_counter()
+        dt = end - t0
         if self.engine.last_step_tokens:
-            self.stats.steps += 1
-            self.stats.busy_s += dt
-            self.stats.last_step_s = dt
+            self.stats.observe_step(dt, end)
             if self.on_step is not None:
                 self.on_step(dt, self.engine.last_step_tokens)
         self._publish()

@@ -363,6 +363,7 @@ class Worker:
             "kv_usage": snap.usage,
             "free_blocks": float(snap.free_slots),
             "draining": float(self.draining),  # routers send it nothing new
+            "step_s": self.loop.stats.step_time(time.perf_counter()),
             **self.load(),
         }
         hit_rate = self.connector_metrics.hit_rate()

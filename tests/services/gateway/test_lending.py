@@ -40,6 +40,24 @@ def test_prefill_over_its_bound_borrows_an_idle_decode_instance() -> None:
     assert POLICY.lendable("prefill", [calm], [idle], published) == []
 
 
+def test_a_decode_instance_whose_steps_are_slow_is_not_lent_until_they_recover() -> None:
+    """Its streams' time per output token comes first: while the prompts it took (or its
+    own streams) keep its recent steps at or over the bound, it is given back."""
+    p = member("prefill", "p", pending_tokens=1500)
+    slow = member("decode", "d1", running=1, step_s=0.075)
+    quick = member("decode", "d2", running=1, step_s=0.05)
+    idle = member("decode", "d3", running=0, step_s=0.0)
+    assert POLICY.lendable("prefill", [p], [slow, quick, idle], published) == [quick, idle]
+    unbounded = LendPolicy(prefill_tokens=1000.0, decode_running=4.0, decode_step_s=0.0)
+    assert unbounded.lendable("prefill", [p], [slow], published) == [slow]
+
+
+def test_a_prefill_instance_is_lent_whatever_its_step_time() -> None:
+    full = member("decode", "d", running=4)
+    slow = member("prefill", "p", step_s=0.5)
+    assert POLICY.lendable("decode", [full], [slow], published) == [slow]
+
+
 def test_only_mixed_instances_are_lent() -> None:
     p = member("prefill", "p", pending_tokens=5000)
     plain = member("decode", "d", mixed=False)

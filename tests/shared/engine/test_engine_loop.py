@@ -10,10 +10,24 @@ import torch
 
 from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import EngineLoop, next_output
+from shared.engine.engine_loop import IDLE_AFTER_S, EngineLoop, LoopStats, next_output
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
 from tests.shared.engine.fake_cpu import FakeCpuSource
+
+
+def test_the_recent_step_time_follows_the_last_steps_and_is_zero_when_idle() -> None:
+    stats = LoopStats()
+    assert stats.step_time(now=0.0) == 0.0
+    stats.observe_step(0.04, end=10.0)
+    assert stats.step_time(now=10.5) == pytest.approx(0.04)  # the first step sets it
+    for i in range(20):
+        stats.observe_step(0.1, end=11.0 + i * 0.1)
+    assert stats.step_time(now=13.0) == pytest.approx(0.1, rel=0.01)
+    stats.observe_step(0.02, end=14.0)
+    assert 0.02 < stats.step_time(now=14.0) < 0.1  # one quick step moves it, not all the way
+    assert stats.step_time(now=14.0 + IDLE_AFTER_S + 0.01) == 0.0
+    assert stats.steps == 22 and stats.busy_s == pytest.approx(2.06)
 
 
 async def test_outputs_arrive_in_order_and_match_a_plain_engine(
