@@ -113,7 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     deployments = [Deployment(p, d, 1) for p, d in splits]
     predicted = {
         (c.deployment.prefill, c.deployment.decode): c
-        for c in evaluate(requests, deployments, profile, args.cores, args.slo_ttft, args.slo_tpot)
+        for c in evaluate(
+            requests,
+            deployments,
+            profile,
+            args.cores,
+            args.slo_ttft,
+            args.slo_tpot,
+            client_on_host=True,  # the load generator runs beside the cluster here
+        )
     }
     rows: list[dict[str, Any]] = []
     for p, d in splits:

@@ -11,7 +11,7 @@ default port inside its own container.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,6 +270,15 @@ class LocalCluster:
         )
         self.procs[spec.name] = proc.start()
         return proc
+
+    def pids(self, roles: Collection[str]) -> list[int]:
+        """Process ids of the running services of ``roles`` (``"redis"`` for Redis)."""
+        procs = [
+            self.procs[s.name].proc for s in self.specs if s.role in roles and s.name in self.procs
+        ]
+        if "redis" in roles:
+            procs.append(self.redis.proc)
+        return [p.pid for p in procs if p is not None and p.poll() is None]
 
     def add(self, spec: ServiceSpec, timeout_s: float = 180.0) -> ServiceProcess:
         """Start one more service (a new replica) into the running cluster."""

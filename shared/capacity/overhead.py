@@ -13,6 +13,14 @@ each, as the planner's candidates run), then
   batch sizes as ``step_s + token_s * batch``, is charged on every decode step.
 
 The simulator adds these to the steps it times from the profile.
+
+Around each group of requests it also reads the CPU seconds that the processes
+beside the engines used (the gateway, the KV store and Redis, from ``/proc``;
+and this process, the load generator) and fits them, by least squares over the
+groups, as seconds per request, per prompt token and per streamed token
+(:class:`~shared.capacity.profile.SideCpu`). Under load those processes take
+cores from the engines, which the latency figures above, taken one request at a
+time, do not show.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ import asyncio
 import random
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +39,8 @@ import numpy as np
 from shared.bench import workload as wl
 from shared.bench.metrics import RequestResult
 from shared.bench.runner import Target, discover_model, run_open_loop
-from shared.capacity.profile import Profile, ServiceOverhead
+from shared.capacity.profile import Profile, ServiceOverhead, SideCpu
+from shared.procs import cpu_seconds
 
 Progress = Callable[[str], None]
 
@@ -49,6 +59,45 @@ def fit(
         return ServiceOverhead(request, max(0.0, extra[0]), 0.0)
     slope, intercept = np.polyfit(np.array(batches, float), np.array(extra, float), 1)
     return ServiceOverhead(request, float(intercept), max(0.0, float(slope)))
+
+
+@dataclass(frozen=True)
+class SideUse:
+    """One group of requests and the CPU seconds used beside the engines meanwhile."""
+
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    cluster_s: float
+    client_s: float
+
+
+def fit_side(groups: Sequence[SideUse], cpu_of: Callable[[SideUse], float]) -> SideCpu:
+    """Seconds per request, prompt token and output token (least squares, none < 0)."""
+    if not groups:
+        return SideCpu()
+    a = np.array([[g.requests, g.prompt_tokens, g.output_tokens] for g in groups], float)
+    y = np.array([cpu_of(g) for g in groups], float)
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    request_s, prompt_token_s, output_token_s = (max(0.0, float(c)) for c in coef)
+    return SideCpu(request_s, prompt_token_s, output_token_s)
+
+
+class _SideMeter:
+    """CPU seconds used by ``pids`` and by this process since the last reading."""
+
+    def __init__(self, pids: Sequence[int]):
+        self.pids = pids
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        return sum(cpu_seconds(p) for p in self.pids), time.process_time()
+
+    def group(self, requests: int, prompt_tokens: int, output_tokens: int) -> SideUse:
+        now = self._read()
+        cluster, client = (b - a for a, b in zip(self._last, now, strict=True))
+        self._last = now
+        return SideUse(requests, prompt_tokens, output_tokens, cluster, client)
 
 
 @dataclass(frozen=True)
@@ -95,13 +144,17 @@ def measure_overhead(
         cluster = LocalCluster(topology, log_dir=Path(logs)).start()
         try:
             target = Target(cluster.gateway_url, asyncio.run(_model(cluster.gateway_url)))
+            meter = _SideMeter(cluster.pids({"gateway", "kvstore", "redis"}))
+            groups = []
             ttfts = {}
             for n in points.prompt_tokens:
                 times = []
+                meter.group(0, 0, 0)
                 for _ in range(3):
                     spec = wl.RequestSpec(wl.synthetic_prompt(n, rng), 2)
                     results, _ = asyncio.run(run_open_loop(target, [spec], _quiet))
                     times.append(_timed(results)[0][0])
+                groups.append(meter.group(3, 3 * n, 3 * 2))
                 ttfts[n] = statistics.median(times)
                 progress(f"serving overhead: {n}-token prompt alone, TTFT {ttfts[n]:.3f}s")
             tpots = {}
@@ -112,14 +165,20 @@ def measure_overhead(
                     )
                     for _ in range(b)
                 ]
+                meter.group(0, 0, 0)
                 results, _ = asyncio.run(run_open_loop(target, specs, _quiet))
+                groups.append(meter.group(b, b * points.stream_prompt, b * points.stream_tokens))
                 tpot = statistics.median(t for _, t in _timed(results))
                 context = b * (points.stream_prompt + points.stream_tokens // 2)
                 tpots[b] = (context, tpot)
                 progress(f"serving overhead: {b} streams, TPOT {tpot * 1e3:.1f}ms")
         finally:
             cluster.stop()
-    return fit(profile, ttfts, tpots)
+    return replace(
+        fit(profile, ttfts, tpots),
+        cluster=fit_side(groups, lambda g: g.cluster_s),
+        client=fit_side(groups, lambda g: g.client_s),
+    )
 
 
 def _timed(results: Sequence[RequestResult]) -> list[tuple[float, float]]:

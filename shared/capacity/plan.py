@@ -112,11 +112,13 @@ def evaluate(
     cores: int,
     slo_ttft: float,
     slo_tpot: float,
+    *,
+    client_on_host: bool = False,
 ) -> list[Candidate]:
     """Every deployment simulated; best first."""
     ranked = []
     for dep in deployments:
-        res = simulate(requests, dep, profile, cores)
+        res = simulate(requests, dep, profile, cores, client_on_host=client_on_host)
         ranked.append(_candidate(res, cores, slo_ttft, slo_tpot))
     ranked.sort(key=lambda c: (-c.goodput, c.ttft_p50))
     return ranked

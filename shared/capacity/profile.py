@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,15 +48,45 @@ class DecodePoint:
 
 
 @dataclass(frozen=True)
+class SideCpu:
+    """CPU seconds that processes other than the engines spend on the same cores."""
+
+    request_s: float = 0.0  # per request
+    prompt_token_s: float = 0.0  # per prompt token (its KV through the store)
+    output_token_s: float = 0.0  # per streamed token
+
+    def seconds(self, requests: int, prompt_tokens: int, output_tokens: int) -> float:
+        return (
+            self.request_s * requests
+            + self.prompt_token_s * prompt_tokens
+            + self.output_token_s * output_tokens
+        )
+
+
+@dataclass(frozen=True)
 class ServiceOverhead:
-    """Time serving adds to the engine's steps (see :mod:`shared.capacity.overhead`)."""
+    """What serving adds to the engine's steps (see :mod:`shared.capacity.overhead`)."""
 
     request_s: float = 0.0  # per prompt, on top of its prefill compute
     step_s: float = 0.0  # per decode step
     token_s: float = 0.0  # per token of a decode step
+    cluster: SideCpu = SideCpu()  # the gateway, the KV store and Redis
+    client: SideCpu = SideCpu()  # a load generator on the same machine
 
     def decode_step_s(self, batch: int) -> float:
         return max(0.0, self.step_s + self.token_s * batch)
+
+    @classmethod
+    def from_dict(cls, body: Mapping[str, Any]) -> ServiceOverhead:
+        """As :func:`dataclasses.asdict` wrote it; profiles older than ``cluster`` and
+        ``client`` load with no CPU charged for them."""
+        return cls(
+            request_s=float(body.get("request_s", 0.0)),
+            step_s=float(body.get("step_s", 0.0)),
+            token_s=float(body.get("token_s", 0.0)),
+            cluster=SideCpu(**body.get("cluster", {})),
+            client=SideCpu(**body.get("client", {})),
+        )
 
 
 @dataclass(frozen=True)
@@ -146,7 +177,7 @@ def load(path: Path) -> Profile:
             decode=tuple(DecodePoint(**p) for p in body["decode"]),
             measured_at=str(body.get("measured_at", "")),
             notes=dict(body.get("notes", {})),
-            overhead=ServiceOverhead(**body.get("overhead", {})),
+            overhead=ServiceOverhead.from_dict(body.get("overhead", {})),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{path}: malformed profile: {exc!r}") from exc

@@ -25,6 +25,11 @@ What is modelled, per instance:
 - **Serving overhead**: what the profile measured serving adds beyond the
   engine (:mod:`shared.capacity.overhead`): per prompt at its last prefill
   step, and per decode step by its batch size.
+- **Processes beside the engines**: the gateway, the KV store and Redis (and,
+  with ``client_on_host``, the load generator) burn CPU per request, per
+  prompt token (its KV goes through the store) and per streamed token, as the
+  profile measured; each is one thread on the shared cores that works off what
+  it is handed, slowing the engines while it runs.
 - **Cores**: instances share the ``cores`` given as a processor-sharing
   system: while more threads compute than there are cores, every running step
   progresses at cores / threads of its full speed (time slicing), and speeds
@@ -44,7 +49,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.capacity.profile import Profile
+from shared.capacity.profile import Profile, SideCpu
 
 
 @dataclass(frozen=True)
@@ -183,12 +188,42 @@ class _Cpu:
             job.done()
 
 
+class _Side:
+    """A process beside the engines (the gateway and the KV store, or a load generator):
+    one thread working off the CPU that serving hands it, on the shared cores."""
+
+    def __init__(self, cpu: _Cpu, cost: SideCpu):
+        self.cpu = cpu
+        self.cost = cost
+        self.backlog_s = 0.0
+        self.busy = False
+
+    def charge(self, requests: int, prompt_tokens: int, output_tokens: int) -> None:
+        self.backlog_s += self.cost.seconds(requests, prompt_tokens, output_tokens)
+        self._run()
+
+    def _run(self) -> None:
+        if self.busy or self.backlog_s <= 0:
+            return
+        work, self.backlog_s = self.backlog_s, 0.0
+        self.busy = True
+        self.cpu.start(1, work, self._done)
+
+    def _done(self) -> None:
+        self.busy = False
+        self._run()
+
+
 def simulate(
     requests: Sequence[SimRequest],
     deployment: Deployment,
     profile: Profile,
     cores: int,
+    *,
+    client_on_host: bool = False,
 ) -> SimResult:
+    """``client_on_host``: the load generator shares the cores (as in a benchmark on
+    the serving machine), so its CPU is charged too."""
     if deployment.prefill < 1 or deployment.decode < 1 or cores < 1:
         raise ValueError("a deployment needs a prefill and a decode instance and a core")
     clock = _Clock()
@@ -196,6 +231,9 @@ def simulate(
     prefills = [_Instance(t) for _ in range(deployment.prefill)]
     decodes = [_Instance(t) for _ in range(deployment.decode)]
     cpu = _Cpu(cores, clock)
+    sides = [_Side(cpu, profile.overhead.cluster)]
+    if client_on_host:
+        sides.append(_Side(cpu, profile.overhead.client))
     stored: set[int] = set()
     outcomes: dict[int, RequestOutcome] = {}
     per_token = profile.kv_bytes_per_token
@@ -250,7 +288,12 @@ def simulate(
                 handoff(req)
         start_prefill(inst)
 
+    def charge(requests: int, prompt_tokens: int, output_tokens: int) -> None:
+        for side in sides:
+            side.charge(requests, prompt_tokens, output_tokens)
+
     def handoff(req: _Req) -> None:
+        charge(1, req.spec.input_len, 1)
         if req.generated >= req.spec.output_len:
             finish(req)
             return
@@ -278,6 +321,7 @@ def simulate(
 
     def end_decode(dec: _Instance) -> None:
         dec.busy = False
+        charge(0, 0, len(dec.running))
         still = []
         for req in dec.running:
             req.generated += 1

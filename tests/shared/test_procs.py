@@ -1,16 +1,19 @@
 """Port picking for a cluster's plan: ports chosen one after another before any service
 binds them must not repeat or sit next to each other (a store listens on its port and the
-next one)."""
+next one); and the CPU time a process used, as the profiler reads it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from itertools import pairwise
 
 import pytest
 
 from shared import procs
 from shared.ports import listen_socket
-from shared.procs import PortPicker, free_ports
+from shared.procs import PortPicker, cpu_seconds, free_ports
 
 
 def test_picks_are_distinct_and_never_adjacent() -> None:
@@ -34,3 +37,14 @@ def test_a_repeated_or_adjacent_pick_is_skipped(monkeypatch: pytest.MonkeyPatch)
         second = picker("decode", 0)
     assert second not in (first, first + 1, taken_above)
     assert second in fresh
+
+
+def test_cpu_seconds_counts_what_a_process_used() -> None:
+    before = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    assert cpu_seconds(os.getpid()) >= before + 0.1
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert cpu_seconds(dead.pid) == 0.0  # gone: nothing to read

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.capacity.overhead import Points, fit, measure_overhead
+from shared.capacity.overhead import Points, SideUse, fit, fit_side, measure_overhead
+from shared.capacity.profile import SideCpu
 from tests.shared.capacity.fake_profile import linear_profile
 
 
@@ -26,6 +27,23 @@ def test_fit_never_charges_a_negative_time() -> None:
     assert o.request_s == 0.0 and o.step_s == 0.0 and o.token_s == 0.0
 
 
+def test_side_cpu_fit_recovers_the_cost_per_request_prompt_token_and_output_token() -> None:
+    truth = SideCpu(request_s=0.004, prompt_token_s=3e-6, output_token_s=2e-4)
+    shapes = [(3, 3 * 256, 6), (3, 3 * 1024, 6), (1, 128, 64), (8, 8 * 128, 8 * 64)]
+    groups = [
+        SideUse(r, p, o, truth.seconds(r, p, o), 2 * truth.seconds(r, p, o)) for r, p, o in shapes
+    ]
+    cluster = fit_side(groups, lambda g: g.cluster_s)
+    assert cluster.request_s == pytest.approx(truth.request_s)
+    assert cluster.prompt_token_s == pytest.approx(truth.prompt_token_s)
+    assert cluster.output_token_s == pytest.approx(truth.output_token_s)
+    assert fit_side(groups, lambda g: g.client_s).request_s == pytest.approx(0.008)
+    # a coefficient that comes out below zero (noise) is charged as zero
+    noisy = [SideUse(1, 100, 10, 0.01, 0.0), SideUse(2, 100, 20, 0.005, 0.0)]
+    assert min(vars(fit_side(noisy, lambda g: g.cluster_s)).values()) >= 0.0
+    assert fit_side([], lambda g: g.cluster_s) == SideCpu()
+
+
 def test_measured_on_a_real_cluster() -> None:
     p = linear_profile(prefill_s_per_token=1e-6, decode_base_s=1e-6, decode_per_seq_s=0.0)
     points = Points(prompt_tokens=(32,), batches=(1, 2), stream_prompt=16, stream_tokens=6)
@@ -33,3 +51,5 @@ def test_measured_on_a_real_cluster() -> None:
     # against a near-zero profile, the overhead is the whole service time
     assert 0.0 < o.request_s < 10.0
     assert o.decode_step_s(1) > 0.0
+    # the gateway, the store and the load generator did work for those requests
+    assert o.cluster.seconds(1, 32, 6) > 0.0 and o.client.seconds(1, 32, 6) > 0.0

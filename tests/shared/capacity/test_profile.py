@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from shared.capacity.profile import (
     Profile,
     ProfileError,
     ServiceOverhead,
+    SideCpu,
     load,
 )
 from tests.shared.capacity.fake_profile import linear_profile
@@ -37,11 +39,20 @@ def test_decode_fit_recovers_the_step_time_model() -> None:
 
 
 def test_saved_profiles_load_back_and_bad_files_are_refused(tmp_path: Path) -> None:
-    p = replace(linear_profile(), overhead=ServiceOverhead(0.05, 0.002, 0.0005))
+    side = SideCpu(request_s=0.004, prompt_token_s=2e-6, output_token_s=1e-4)
+    p = replace(
+        linear_profile(), overhead=ServiceOverhead(0.05, 0.002, 0.0005, cluster=side, client=side)
+    )
     p.save(tmp_path / "p.json")
     back = load(tmp_path / "p.json")
     assert back.prefill == p.prefill and back.decode == p.decode
     assert back.overhead == p.overhead
+    # a profile saved before the side processes were measured charges nothing for them
+    body = json.loads((tmp_path / "p.json").read_text())
+    del body["overhead"]["cluster"], body["overhead"]["client"]
+    (tmp_path / "older.json").write_text(json.dumps(body))
+    older = load(tmp_path / "older.json").overhead
+    assert older.request_s == 0.05 and older.cluster == SideCpu() == older.client
     assert back.prefill_seconds(700, 1) == p.prefill_seconds(700, 1)
     (tmp_path / "old.json").write_text('{"version": 0}')
     with pytest.raises(ProfileError, match="version-1"):

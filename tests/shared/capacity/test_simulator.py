@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from shared.capacity.profile import PrefillPoint, ServiceOverhead
+from shared.capacity.profile import PrefillPoint, ServiceOverhead, SideCpu
 from shared.capacity.simulator import Deployment, SimRequest, simulate
 from tests.shared.capacity.fake_profile import linear_profile
 
@@ -28,6 +28,27 @@ def test_serving_overhead_lengthens_each_prompt_and_decode_step() -> None:
     (o,) = simulate([SimRequest(0.0, 512, 11)], ONE, served, cores=2).outcomes
     assert o.ttft_s == pytest.approx(0.512 + 0.1)
     assert o.tpot_s == pytest.approx(0.01 + 0.002 + 0.001, rel=1e-3)  # a batch of one
+
+
+def test_side_processes_take_cores_from_the_engines_only_when_cores_are_short() -> None:
+    """The gateway and store burn 50 ms per request and 5 ms per streamed token: on
+    one core (decode and that work share it) the streams slow down; on two, they do
+    not. The client's CPU counts only when it runs on the same machine."""
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    busy = SideCpu(request_s=0.05, output_token_s=0.005)
+    sided = replace(p, overhead=ServiceOverhead(cluster=busy))
+    reqs = [SimRequest(0.0, 512, 11)]
+    (plain,) = simulate(reqs, ONE, p, cores=1).outcomes
+    (short,) = simulate(reqs, ONE, sided, cores=1).outcomes
+    (spare,) = simulate(reqs, ONE, sided, cores=2).outcomes
+    assert short.ttft_s == pytest.approx(plain.ttft_s)  # charged from the first token on
+    assert short.tpot_s > plain.tpot_s * 1.2
+    assert spare.tpot_s == pytest.approx(plain.tpot_s)
+    clients = replace(p, overhead=ServiceOverhead(client=busy))
+    (remote,) = simulate(reqs, ONE, clients, cores=1).outcomes
+    (local,) = simulate(reqs, ONE, clients, cores=1, client_on_host=True).outcomes
+    assert remote.tpot_s == pytest.approx(plain.tpot_s)
+    assert local.tpot_s == pytest.approx(short.tpot_s)
 
 
 def test_batched_prompts_cost_their_own_curves_and_chunks_their_increments() -> None:
