@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,8 +25,8 @@ from shared.engine.host_swap import HostSwapSpace
 from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
 from shared.engine.kv_connector import KVConnector
 from shared.engine.model_runner import ModelRunner
+from shared.engine.outputs import Completion, RequestOutput, RequestTimings
 from shared.engine.request import (
-    CacheHit,
     FinishReason,
     Request,
     RequestId,
@@ -43,49 +43,6 @@ from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
 from shared.model.attention_impl import select_attention
 from shared.model.loader import LoadedModel, load_model
-
-
-@dataclass
-class RequestTimings:
-    arrival: float
-    admitted: float | None = None  # it first got KV slots
-    scheduled: float | None = None  # its first step began
-    first_token: float | None = None
-    finished: float | None = None
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: RequestId
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    cache_hit: CacheHit
-    timings: RequestTimings | None = None  # set on the finishing output
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.cache_hit.tokens
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished request, as :meth:`Engine.generate` returns it."""
-
-    request_id: RequestId
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs]
-    finish_reason: FinishReason
-    num_cached_tokens: int
-    timings: RequestTimings = field(compare=False)
 
 
 class Engine:

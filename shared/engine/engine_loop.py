@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.engine.elastic_threads import ThreadGovernor
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine
 from shared.engine.kv_cache_manager import KVEvents
+from shared.engine.outputs import RequestOutput
 from shared.engine.snapshot import EngineSnapshot
 
 T = TypeVar("T")

@@ -30,9 +30,10 @@ from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
 from shared.engine.elastic_threads import ProcStatSource, ThreadGovernor
-from shared.engine.engine import Engine, RequestTimings
+from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop, Output, next_output
 from shared.engine.kv_cache_manager import KVEvents
+from shared.engine.outputs import RequestTimings
 from shared.engine.request import CacheHit, TokenLogprobs
 from shared.engine.snapshot import EngineSnapshot
 from shared.engine.swap import SwapStats

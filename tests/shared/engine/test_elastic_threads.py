@@ -18,7 +18,8 @@ from shared.engine.elastic_threads import (
     others_busy,
     threads_for,
 )
-from shared.engine.engine import Completion, Engine, RequestOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import Completion, RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.shared.engine.fake_cpu import FakeCpuSource

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shared.config import EngineConfig, LinearBackend, PreemptionSetting
-from shared.engine.engine import Completion, Engine
+from shared.engine.engine import Engine
+from shared.engine.outputs import Completion
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError, KernelBuildError, RequestTooLongError

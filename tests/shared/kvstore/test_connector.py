@@ -15,8 +15,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop, next_output
+from shared.engine.outputs import RequestOutput
 from shared.engine.request import CacheHit, Request, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.kvstore.connector import KVStoreConnector, StorePlan
