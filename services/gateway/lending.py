@@ -55,6 +55,8 @@ class LendPolicy:
         return (
             member.load.get("waiting_kv", 0.0) <= 0.0
             and score(member, "decode") < self.decode_running
+            # one lent prompt at a time: every stream there waits for each prompt it takes
+            and score(member, "prefill") <= 0.0
             and not (self.decode_step_s and member.load.get("step_s", 0.0) >= self.decode_step_s)
         )
 

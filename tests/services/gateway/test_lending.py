@@ -87,6 +87,20 @@ def test_the_router_lends_and_gives_back_as_queues_change() -> None:
     assert r.pick("prefill", 100).member.instance_id == "p"
 
 
+def test_a_decode_instance_takes_one_lent_prompt_at_a_time() -> None:
+    """Its streams wait for every prompt it computes: a burst must not pile prompts on it
+    (the load report lags, so this gateway's own picks count at once)."""
+    busy = member("decode", "d", running=1, pending_tokens=200)  # a lent prompt not done
+    assert (
+        POLICY.lendable("prefill", [member("prefill", "p", pending_tokens=1500)], [busy], published)
+        == []
+    )
+    r = router([member("prefill", "p", pending_tokens=1500)], [member("decode", "d", running=1)])
+    assert r.pick("prefill", 300).member.instance_id == "d"
+    assert r.pick("prefill", 300).member.instance_id == "p"  # d still computes the first
+    assert r.pick("prefill", 300).member.instance_id == "p"
+
+
 def test_a_request_prefilled_on_a_mixed_instance_may_decode_there() -> None:
     r = router([member("prefill", "p")], [member("decode", "d", running=4)])
     prefill = r.pick("prefill", 500)
