@@ -90,6 +90,10 @@ class _SideMeter:
         self.pids = pids
         self._last = self._read()
 
+    def restart(self) -> None:
+        """Count from now (what happened since the last reading is not a group)."""
+        self._last = self._read()
+
     def _read(self) -> tuple[float, float]:
         return sum(cpu_seconds(p) for p in self.pids), time.process_time()
 
@@ -149,7 +153,7 @@ def measure_overhead(
             ttfts = {}
             for n in points.prompt_tokens:
                 times = []
-                meter.group(0, 0, 0)
+                meter.restart()
                 for _ in range(3):
                     spec = wl.RequestSpec(wl.synthetic_prompt(n, rng), 2)
                     results, _ = asyncio.run(run_open_loop(target, [spec], _quiet))
@@ -165,7 +169,7 @@ def measure_overhead(
                     )
                     for _ in range(b)
                 ]
-                meter.group(0, 0, 0)
+                meter.restart()
                 results, _ = asyncio.run(run_open_loop(target, specs, _quiet))
                 groups.append(meter.group(b, b * points.stream_prompt, b * points.stream_tokens))
                 tpot = statistics.median(t for _, t in _timed(results))
