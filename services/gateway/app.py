@@ -86,6 +86,7 @@ class Gateway:
                 settings.lend_decode_running,
                 settings.lend_decode_step_s,
             ),
+            member_ttl_s=cluster.member_ttl_s,
         )
         self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
         self.http = httpx.AsyncClient(  # internal calls: they present the cluster secret

@@ -5,8 +5,10 @@ heartbeat), so a new replica takes traffic within one heartbeat interval and
 a stopped one (deregistered) or a dead one (key expired) stops getting any.
 An instance that refuses connections is benched locally for a few seconds
 before its key expires. While Redis is down the last known set is kept
-(degraded, not dead). Every ``reap_s`` the router also clears the prompt
-index entries of instances that are no longer live.
+(degraded, not dead), and so it is for a member TTL after Redis comes back
+empty, until the instances' heartbeats re-register them. Every ``reap_s``
+the router also clears the prompt index entries of instances that are no
+longer live.
 
 Prefill: the lowest estimated cost, counted in prompt tokens: the instance's
 queued work (its published ``pending_tokens`` plus what this gateway sent it
@@ -37,7 +39,7 @@ from services.gateway.lending import LendPolicy, other_role, serving
 from services.gateway.prefix_locator import NO_HITS, STORE_ROLE, PrefixHits
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
-from shared.cluster.membership import Member, live_members
+from shared.cluster.membership import LastKnown, Member, live_members
 from shared.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class Router:
         index: BlockIndex | None = None,
         reap_s: float = 10.0,
         lend: LendPolicy | None = None,
+        member_ttl_s: float = 5.0,
     ):
         self.redis = redis
         self.keys = keys
@@ -98,6 +101,7 @@ class Router:
         self.index = index
         self.reap_s = reap_s
         self.members: dict[str, list[Member]] = {r: [] for r in ROLES}
+        self._registered = {r: LastKnown(member_ttl_s) for r in ROLES}  # Redis restarted empty
         self.lend = lend or LendPolicy()
         # (role, instance id) -> what this gateway sent there since its last report
         self.local: defaultdict[tuple[str, str], float] = defaultdict(float)
@@ -119,7 +123,8 @@ class Router:
             return
         self.redis_ok = True
         for role, members in found.items():
-            self.members[role] = [m for m in members if role == STORE_ROLE or m.model == self.model]
+            known = self._registered[role].update(members)
+            self.members[role] = [m for m in known if role == STORE_ROLE or m.model == self.model]
         workers = [m for r in ROUTED for m in self.members[r]]
         namespaces = {m.kv_namespace for m in workers}
         if len(namespaces) > 1:

@@ -89,6 +89,31 @@ async def live_members(redis: aioredis.Redis, keys: Keys, role: str) -> list[Mem
     return members
 
 
+class LastKnown:
+    """The members of one role as last seen, bridging a registry that lost its state.
+
+    Redis restarted empty reads as every instance gone at once, until each one's next
+    heartbeat re-registers it. A role whose registry turns empty therefore keeps its
+    last known members for ``grace_s`` (the member TTL: no longer than a killed
+    instance's key outlives it); a dead one among them fails at the transport, as it
+    would before its key expired. A non-empty registry replaces the view at once, so a
+    drained instance that deregistered leaves it on the next read."""
+
+    def __init__(self, grace_s: float, clock: Callable[[], float] = time.monotonic):
+        self.grace_s = grace_s
+        self.clock = clock
+        self.members: list[Member] = []
+        self._seen = -float("inf")  # when the registry last listed any member
+
+    def update(self, members: list[Member]) -> list[Member]:
+        now = self.clock()
+        if members:
+            self.members, self._seen = members, now
+        elif now - self._seen >= self.grace_s:
+            self.members = []
+        return self.members
+
+
 class Heartbeat:
     """Registers ``member`` and refreshes it every ``interval_s`` until stopped."""
 

@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
-from shared.cluster.membership import Member, live_members
+from shared.cluster.membership import LastKnown, Member, live_members
 from shared.errors import KVMissError, KVStoreError, KVUnavailableError, TransportError
 from shared.kvstore.node_client import Layers, NodeClient
 from shared.kvstore.placement import rank
@@ -150,6 +150,7 @@ class KVStoreClient:
         timeout_s: float = 30.0,
         refresh_s: float = 1.0,
         down_s: float = 3.0,
+        member_ttl_s: float = 5.0,
         secret: ClusterSecret | None = None,
     ):
         self.transport = transport
@@ -165,6 +166,7 @@ class KVStoreClient:
         self._nodes: dict[str, NodeClient] = {}
         self._retired: list[NodeClient] = []  # replaced clients whose idle connections to close
         self._live: list[NodeClient] = []
+        self._registered = LastKnown(member_ttl_s)  # bridges a Redis restarted empty
         self._refreshed = -1e9
         self._refresh_lock = asyncio.Lock()
         self.index = BlockIndex(redis, keys, ttl_s=3600.0)
@@ -178,7 +180,8 @@ class KVStoreClient:
                 except (RedisError, OSError):
                     members = None  # Redis down: keep the last known nodes
                 if members is not None:
-                    self._live = [self._node(m) for m in members if m.data_port is not None]
+                    known = self._registered.update(members)
+                    self._live = [self._node(m) for m in known if m.data_port is not None]
                     self._refreshed = time.monotonic()
                 retired, self._retired = self._retired, []
                 for node in retired:

@@ -235,6 +235,7 @@ class Worker:
             self.keys,
             replication=self.cluster.replication,
             client_id=self.instance_id,
+            member_ttl_s=self.cluster.member_ttl_s,
             secret=ClusterSecret(self.cluster.secret),
         )
         self.publisher = IndexPublisher(

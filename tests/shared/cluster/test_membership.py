@@ -10,7 +10,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from shared.cluster.keys import Keys
-from shared.cluster.membership import Heartbeat, Member, live_members
+from shared.cluster.membership import Heartbeat, LastKnown, Member, live_members
 from shared.procs import RedisProcess
 
 
@@ -40,3 +40,44 @@ async def test_live_members_follow_heartbeats(redis_server: RedisProcess) -> Non
     finally:
         await a.stop()
         await redis.aclose()
+
+
+class FakeClock:
+    """A settable monotonic clock (a fake, for the pure logic below)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def member(name: str) -> Member:
+    return Member(instance_id=name, role="kvstore", host="h", http_port=1)
+
+
+def test_an_emptied_registry_keeps_the_last_known_members_for_the_grace_only() -> None:
+    clock = FakeClock()
+    view = LastKnown(grace_s=5.0, clock=clock)
+    assert view.update([]) == []  # nothing known yet: nothing to bridge
+    a, b = member("a"), member("b")
+    assert view.update([a, b]) == [a, b]
+    clock.now += 1.0
+    assert view.update([]) == [a, b]  # Redis came back empty: bridged
+    clock.now += 3.9
+    assert view.update([]) == [a, b]
+    clock.now += 0.2  # 5.1 s since the registry last listed anyone: they are gone
+    assert view.update([]) == []
+
+
+def test_a_non_empty_registry_replaces_the_view_at_once() -> None:
+    clock = FakeClock()
+    view = LastKnown(grace_s=5.0, clock=clock)
+    a, b = member("a"), member("b")
+    view.update([a, b])
+    assert view.update([a]) == [a]  # b deregistered (drained): gone on the next read
+    clock.now += 4.0
+    assert view.update([]) == [a]
+    assert view.update([b]) == [b]  # re-registration after a restart
+    clock.now += 4.0
+    assert view.update([]) == [b]  # the grace counts from the latest listing
