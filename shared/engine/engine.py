@@ -34,10 +34,11 @@ from shared.engine.request import (
     TokenLogprobs,
 )
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler_output import SchedulerOutput
 from shared.engine.snapshot import EngineSnapshot
 from shared.engine.swap import SwapCostModel, Swapper, SwapStats
-from shared.errors import InvalidRequestError, RequestTooLongError
+from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockHasher
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
@@ -83,14 +84,14 @@ class Engine:
         if connector is not None:
             connector.bind(self.kv_cache)
         self.max_model_len = arch.max_position_embeddings
-        self.swap_space, swapper = self._swap(config)
+        self.swap_space, self.swapper = self._swap(config)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
             connector=connector,
-            swapper=swapper,
+            swapper=self.swapper,
         )
         attention = select_attention(
             config.attention, loaded.model.dtype, arch.head_dim, config.device, config.kernel_dir
@@ -223,18 +224,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        total = len(prompt_token_ids) + max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
-                f"{total} exceeds the context length {self.max_model_len}"
-            )
-        bs = self.layout.block_size
-        if -(-total // bs) > self.kv.num_slots:
-            raise RequestTooLongError(
-                f"{total} tokens need more KV blocks than this instance has "
-                f"({self.kv.num_slots} x {bs} tokens)"
-            )
+        self.scheduler.limits.check_fits(len(prompt_token_ids), max_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its KV; False when the id is unknown or already done."""
@@ -257,14 +247,14 @@ class Engine:
         self._swap_blocks(scheduled)
         t0 = time.perf_counter()
         sampled, failed = self._execute(scheduled)
-        if self.scheduler.swapper is not None:
+        if self.swapper is not None:
             tokens = scheduled.num_batched_tokens
-            self.scheduler.swapper.cost.observe_compute(tokens, time.perf_counter() - t0)
+            self.swapper.cost.observe_compute(tokens, time.perf_counter() - t0)
         return self._outputs(self.scheduler.update(scheduled, sampled, failed))
 
     def _swap_blocks(self, scheduled: SchedulerOutput) -> None:
         """Preempted requests' blocks out to host memory, resumed ones' back in."""
-        swapper, space = self.scheduler.swapper, self.swap_space
+        swapper, space = self.swapper, self.swap_space
         if not scheduled.swaps or swapper is None or space is None:
             return
         timing = space.run(scheduled.swaps)
@@ -312,7 +302,7 @@ class Engine:
             steps=self._steps,
             waiting=len(s.waiting),
             running=len(s.running),
-            loading=len(s.loading),
+            loading=len(s.loads.loading),
             parked=len(s.parked),
             pending_tokens=sum(pending.values()),
             free_slots=kv.num_free,
@@ -320,7 +310,7 @@ class Engine:
             cached_blocks=kv.num_cached,
             requests=frozenset(s.requests),
             preemptions=s.preemption.num_preemptions,
-            swap=replace(s.swapper.stats) if s.swapper is not None else SwapStats(),
+            swap=replace(self.swapper.stats) if self.swapper is not None else SwapStats(),
             pending_by_request=pending,
             waiting_ids=frozenset(r.request_id for r in s.waiting),
         )

@@ -104,6 +104,23 @@ class KVCacheManager:
             found.append(slot)
         return found
 
+    def uncached_prompt_blocks(self, req: Request) -> set[BlockKey]:
+        """Keys of ``req``'s full prompt blocks not registered yet: those it computes."""
+        if not self.enable_caching:
+            return set()
+        full = req.num_prompt_tokens // self.block_size
+        return set(req.block_keys[req.num_cached_blocks : full])
+
+    def waits_for_computing(self, req: Request, computing: set[BlockKey]) -> bool:
+        """Whether the first block ``req`` would compute is in ``computing`` (being
+        computed right now by a running request): then it should wait for that block
+        and reuse it (in-batch prefix caching, as SGLang does), not compute a copy."""
+        if not computing:
+            return False
+        usable = (req.num_tokens - 1) // self.block_size
+        first = len(self.local_hit(req, usable))
+        return first < usable and req.block_keys[first] in computing
+
     # -- a request's slots -------------------------------------------------------------------
     def can_admit(self, hits: Sequence[Slot], num_tokens: int, headroom: int = 0) -> bool:
         """Whether :meth:`admit` would succeed and leave ``headroom`` slots free."""

@@ -15,7 +15,7 @@ from shared.engine.request import Request, RequestId
 
 if TYPE_CHECKING:
     from shared.engine.kv_cache_manager import Slot
-    from shared.engine.scheduler import SchedulerOutput
+    from shared.engine.scheduler_output import SchedulerOutput
     from shared.kv.kv_cache import KVCache
 
 

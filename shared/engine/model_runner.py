@@ -9,7 +9,7 @@ import torch
 
 from shared.engine.request import RequestId, SampledToken
 from shared.engine.sampler import SamplingRow, sample
-from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
+from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from shared.kv.kv_cache import KVCache
 from shared.model.attention import (
     AttentionMetadata,

@@ -33,11 +33,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Set
-from dataclasses import dataclass, field
 
 from shared.config import SchedulerConfig
-from shared.engine.kv_cache_manager import KVCacheManager, Slot, cdiv
-from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
+from shared.engine.kv_cache_manager import KVCacheManager, Slot
+from shared.engine.kv_connector import ConnectorEvents, KVConnector
+from shared.engine.kv_loads import KVLoads
+from shared.engine.limits import RequestLimits
 from shared.engine.preemption import Preemption
 from shared.engine.request import (
     CacheHit,
@@ -47,35 +48,10 @@ from shared.engine.request import (
     RequestStatus,
     SampledToken,
 )
-from shared.engine.swap import Swapper, SwapPlan
-from shared.errors import InvalidRequestError, RequestTooLongError
+from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from shared.engine.swap import Swapper
+from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockKey
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # computed this step, from request.num_computed_tokens on
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token (so it samples)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledRequest, ...]
-    preempted: tuple[RequestId, ...]
-    swaps: SwapPlan = field(default_factory=SwapPlan)  # run before the forward
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -90,44 +66,25 @@ class Scheduler:
         swapper: Swapper | None = None,
     ):
         self.config = config
-        self.swapper = swapper
         self.preemption = Preemption(swapper, connector, kv.block_size)
         self.kv = kv
         self.connector = connector
+        self.loads = KVLoads(connector, kv.block_size)  # asynchronous loads in flight
         self.block_size = kv.block_size
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
+        self.limits = RequestLimits(max_model_len, kv.block_size, kv.num_slots, eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: dict[RequestId, Request] = {}  # asynchronous loads in flight
         self.parked: dict[RequestId, Request] = {}  # waiting for their first token
         self.releasing: dict[RequestId, Request] = {}  # finished; the connector holds slots
         self.requests: dict[RequestId, Request] = {}
-        self._load_target: dict[RequestId, int] = {}
 
     # -- admission -------------------------------------------------------
     def add(self, req: Request) -> None:
-        self._check_fits(req)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
-
-    def _check_fits(self, req: Request) -> None:
-        total = req.num_prompt_tokens + req.params.max_tokens
-        if req.num_prompt_tokens == 0:
-            raise RequestTooLongError("the prompt is empty")
-        if total > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                f"({req.params.max_tokens}) = {total} exceeds the context length "
-                f"{self.max_model_len}"
-            )
-        if cdiv(total, self.block_size) > self.kv.num_slots:
-            raise RequestTooLongError(
-                f"{total} tokens need more KV blocks than this instance has "
-                f"({self.kv.num_slots} x {self.block_size} tokens)"
-            )
+        self.limits.check_fits(req.num_prompt_tokens, req.params.max_tokens)
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request id {req.request_id} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     def supply_first_token(self, request_id: RequestId, token: SampledToken) -> None:
         """The first token of a request prefilled elsewhere; it may compute from now on."""
@@ -136,7 +93,7 @@ class Scheduler:
             raise InvalidRequestError(f"no request {request_id} here")
         if not req.awaiting_first_token:
             raise InvalidRequestError(f"request {request_id} already has its first token")
-        if self._stop_reason(req, token.token_id, num_outputs=1) is not None:
+        if self.limits.stop_reason(req, token.token_id, num_outputs=1) is not None:
             raise InvalidRequestError("the first token already ends this request")
         req.output_token_ids.append(token.token_id)
         if token.logprobs is not None:
@@ -178,7 +135,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             fresh = not req.slots and req.swapped is None
-            if fresh and self._shares_a_prefix_being_computed(req, computing):
+            if fresh and self.kv.waits_for_computing(req, computing):
                 deferred.append(self.waiting.popleft())
                 continue
             # holding slots: its KV was loaded asynchronously, compute the rest
@@ -188,33 +145,12 @@ class Scheduler:
             if taken:
                 scheduled.append(ScheduledRequest(req, taken))
                 budget -= taken
-                computing |= self._uncached_prompt_blocks(req)
+                computing |= self.kv.uncached_prompt_blocks(req)
         self.waiting.extendleft(reversed(deferred))
 
     def _blocks_being_computed(self) -> set[BlockKey]:
         """Keys of the prompt blocks running requests compute and have not cached yet."""
-        if not self.kv.enable_caching:
-            return set()
-        out: set[BlockKey] = set()
-        for req in self.running:
-            out |= self._uncached_prompt_blocks(req)
-        return out
-
-    def _uncached_prompt_blocks(self, req: Request) -> set[BlockKey]:
-        if not self.kv.enable_caching:
-            return set()
-        full = req.num_prompt_tokens // self.block_size
-        return set(req.block_keys[req.num_cached_blocks : full])
-
-    def _shares_a_prefix_being_computed(self, req: Request, computing: set[BlockKey]) -> bool:
-        """Whether the first block ``req`` would compute is being computed right now by a
-        running request: then it waits (in-batch prefix caching, as SGLang does) and
-        reuses that block once cached instead of computing a second copy."""
-        if not computing:
-            return False
-        usable = (req.num_tokens - 1) // self.block_size
-        first = len(self.kv.local_hit(req, usable))
-        return first < usable and req.block_keys[first] in computing
+        return {k for req in self.running for k in self.kv.uncached_prompt_blocks(req)}
 
     def _start(self, req: Request, budget: int) -> int | None:
         """Admit a request holding no slots; returns the tokens it computes this step (0:
@@ -225,7 +161,7 @@ class Scheduler:
         # always leave >= 1 token to compute: its logits give the next token
         hits = self.kv.local_hit(req, (req.num_tokens - 1) // bs)
         local = len(hits) * bs
-        ext = self._external(req, local)
+        ext = self.loads.offer(req, local)
         computed = local + ext.num_tokens
         if ext.asynchronous and ext.num_tokens:
             if not self.kv.can_admit(hits, computed, headroom=len(self.running)):
@@ -233,9 +169,7 @@ class Scheduler:
             self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
             self.preemption.resumed(req, local, computed, pending=True)
             req.status = RequestStatus.WAITING_FOR_KV
-            self.loading[req.request_id] = req
-            self._load_target[req.request_id] = computed
-            self._start_load(req, len(hits), req.slots[len(hits) :])
+            self.loads.start_async(req, len(hits), req.slots[len(hits) :], computed)
             return 0
         if req.awaiting_first_token:  # nothing can be computed before it arrives
             self.waiting.popleft()
@@ -254,23 +188,10 @@ class Scheduler:
         self.preemption.resumed(req, local, computed, pending=False)
         req.num_computed_tokens = computed
         if ext.num_tokens:
-            self._start_load(req, len(hits), req.slots[len(hits) : computed // bs])
+            self.loads.start(req, len(hits), req.slots[len(hits) : computed // bs])
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return num_new
-
-    def _external(self, req: Request, local: int) -> ExternalHit:
-        """The connector's offer, clamped: an in-step load stops at the last full block
-        before the final token, an asynchronous one where the request must compute."""
-        if self.connector is None or not req.load_external:
-            return NO_HIT
-        hit = self.connector.external_hit(req, local)
-        if hit.asynchronous:
-            room = req.num_tokens - local - (0 if req.awaiting_first_token else 1)
-        else:
-            room = (req.num_tokens - 1) // self.block_size * self.block_size - local
-        n = max(0, min(hit.num_tokens, room))
-        return ExternalHit(n, hit.asynchronous) if n else NO_HIT
 
     def _take(self, req: Request, hits: list[Slot], num_tokens: int, hit: CacheHit) -> None:
         self.waiting.popleft()
@@ -279,11 +200,6 @@ class Scheduler:
             req.admitted = time.perf_counter()
         if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
             req.cache_hit = hit
-
-    def _start_load(self, req: Request, first_block: int, slots: list[Slot]) -> None:
-        if self.connector is None:
-            raise RuntimeError("a load was planned without a connector")
-        self.connector.start_load(req, first_block, slots)
 
     def _continue(self, req: Request, budget: int) -> int | None:
         if budget <= 0:
@@ -358,7 +274,7 @@ class Scheduler:
             req.output_token_ids.append(tok.token_id)
             if tok.logprobs is not None:
                 req.output_logprobs.append(tok.logprobs)
-            reason = self._stop_reason(req, tok.token_id)
+            reason = self.limits.stop_reason(req, tok.token_id)
             if reason is not None:
                 self.finish(req.request_id, reason)
             changed.append(req)
@@ -367,17 +283,14 @@ class Scheduler:
     def on_connector_events(self, events: ConnectorEvents) -> None:
         """Asynchronous loads that ended and finished requests the connector let go."""
         for rid in events.loaded:
-            req = self.loading.pop(rid, None)
-            if req is None:
-                continue
-            req.num_computed_tokens = self._load_target.pop(rid)
-            self.kv.cache_blocks(req)
-            self.preemption.load_ended(rid, ok=True)
-            self._requeue(req)
-        for rid in events.failed:
-            req = self.loading.pop(rid, None)
+            req = self.loads.landed(rid)
             if req is not None:
-                self._load_target.pop(rid, None)
+                self.kv.cache_blocks(req)
+                self.preemption.load_ended(rid, ok=True)
+                self._requeue(req)
+        for rid in events.failed:
+            req = self.loads.failed(rid)
+            if req is not None:
                 self.preemption.load_ended(rid, ok=False)
                 self._recompute(req)
         for rid in events.released:
@@ -402,19 +315,6 @@ class Scheduler:
         else:
             self.waiting.appendleft(req)
 
-    def _stop_reason(
-        self, req: Request, token: int, num_outputs: int | None = None
-    ) -> FinishReason | None:
-        p = req.params
-        outputs = len(req.output_token_ids) if num_outputs is None else num_outputs
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in p.stop_token_ids:
-            return FinishReason.STOP
-        if outputs >= p.max_tokens or req.num_prompt_tokens + outputs >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     # -- ending --------------------------------------------------------------
     def finish(self, request_id: RequestId, reason: FinishReason) -> Request | None:
         """Finish (or abort) a request and free its slots (once the connector lets go of
@@ -427,9 +327,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.preemption.discard(req)
-        self.loading.pop(request_id, None)
+        self.loads.discard(request_id)
         self.parked.pop(request_id, None)
-        self._load_target.pop(request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if self.connector is not None and self.connector.request_finished(req):

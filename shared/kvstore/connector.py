@@ -39,7 +39,7 @@ from shared.cluster.watermarks import Watermark
 from shared.engine.kv_cache_manager import Slot, cdiv
 from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
 from shared.engine.request import Request, RequestId
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler_output import SchedulerOutput
 from shared.errors import KVMissError, KVStoreError, TransportError
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout

@@ -24,7 +24,7 @@ import torch
 
 from shared.engine.kv_cache_manager import Slot
 from shared.engine.request import FinishReason, Request, RequestId
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler_output import SchedulerOutput
 from shared.kvstore.transfer_tasks import TransferTasks
 from shared.kvstore.transfers import Replication
 

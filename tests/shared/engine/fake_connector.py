@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from shared.engine.kv_cache_manager import Slot
 from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
 from shared.engine.request import Request, RequestId
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass

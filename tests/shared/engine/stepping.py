@@ -10,7 +10,8 @@ from shared.config import SchedulerConfig
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import Request, RequestId, SampledToken
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler_output import SchedulerOutput
 from shared.engine.swap import Swapper
 from shared.kv.block_hash import BlockHasher
 from tests.shared.engine.fake_connector import FakeConnector

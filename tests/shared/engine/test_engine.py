@@ -259,10 +259,10 @@ def test_swapping_or_recomputing_under_kv_pressure_keeps_outputs(
     assert snap.preemptions > 0
     if mode == "swap":
         assert stats.swaps_out == snap.preemptions == stats.swaps_in
-        assert tight.scheduler.swapper is not None
-        assert tight.scheduler.swapper.num_free == tight.scheduler.swapper.num_host_blocks
+        assert tight.swapper is not None
+        assert tight.swapper.num_free == tight.swapper.num_host_blocks
     else:
-        assert tight.scheduler.swapper is None and stats.swaps_out == 0
+        assert tight.swapper is None and stats.swaps_out == 0
     assert tight.kv.num_free == tight.kv.num_slots
 
 

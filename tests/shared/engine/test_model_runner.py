@@ -8,7 +8,7 @@ from shared.engine.kv_cache_manager import Slot
 from shared.engine.model_runner import build_input, prefill_runs
 from shared.engine.request import Request, RequestId
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
+from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from shared.model.attention import SlotRun, split_whole_blocks
 
 

@@ -446,7 +446,7 @@ async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
         async with asyncio.timeout(120):
             while store.streams <= len(prompts):
                 await asyncio.sleep(0.05)
-        loading = await d.loop.call(lambda e: list(e.scheduler.loading))
+        loading = await d.loop.call(lambda e: list(e.scheduler.loads.loading))
         assert loading  # one resume or more, all held
         rid = loading[0]
         assert await d.loop.call(lambda e: e.abort(rid))
