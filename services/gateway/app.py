@@ -242,13 +242,15 @@ class Gateway:
         )
         return prepared, spec
 
-    def admit(self, prepared: Prepared) -> None:
+    async def admit(self, prepared: Prepared) -> None:
         retry = {"Retry-After": "1"}
         if self.in_flight + prepared.n > self.settings.max_in_flight:
             raise ServiceError(
                 429, "too many requests in flight; retry later", code="overloaded", headers=retry
             )
         for role in self.roles:
+            if not self.router.candidates(role):
+                await self.router.catch_up()
             if not self.router.candidates(role):
                 raise ServiceError(
                     503, f"no live {role} instance is available", code="no_live_instance"

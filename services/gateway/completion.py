@@ -55,7 +55,7 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
     try:
         api_key = gw.check_auth(request)
         prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id, api_key)
-        gw.admit(prepared)
+        await gw.admit(prepared)
     except Exception as exc:
         gw.metrics.requests.labels("rejected").inc()
         response = error_response(exc)

@@ -39,7 +39,7 @@ from services.gateway.lending import LendPolicy, other_role, serving
 from services.gateway.prefix_locator import NO_HITS, STORE_ROLE, PrefixHits
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
-from shared.cluster.membership import LastKnown, Member, live_members
+from shared.cluster.membership import Endpoint, LastKnown, Member, live_members
 from shared.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,17 @@ class Router:
         self.local: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.picked: defaultdict[str, int] = defaultdict(int)  # ties go to the least picked
         self.in_flight: defaultdict[str, list[Pick]] = defaultdict(list)  # prefill picks
-        self.benched: dict[str, float] = {}
+        # instance id -> (the process benched, until when): a restart ends the bench
+        self.benched: dict[str, tuple[Endpoint, float]] = {}
         self.redis_ok = False
         self.kv_namespace: str | None = None
         self.block_size: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._catch_up = asyncio.Lock()
+        self._read_at = -float("inf")  # when the latest successful membership read began
 
     async def refresh(self) -> None:
+        started = time.monotonic()
         try:
             found = {r: await live_members(self.redis, self.keys, r) for r in ROLES}
         except (RedisError, OSError) as exc:
@@ -122,6 +126,7 @@ class Router:
             self.redis_ok = False
             return
         self.redis_ok = True
+        self._read_at = started
         for role, members in found.items():
             known = self._registered[role].update(members)
             self.members[role] = [m for m in known if role == STORE_ROLE or m.model == self.model]
@@ -175,7 +180,7 @@ class Router:
         out = [
             m
             for m in self.members[role]
-            if self.benched.get(m.instance_id, 0.0) <= now and not m.load.get("draining")
+            if not self._benched(m, now) and not m.load.get("draining")
         ]
         if role == "decode" and self.kv_namespace is not None:
             out = [m for m in out if m.kv_namespace == self.kv_namespace]
@@ -191,8 +196,13 @@ class Router:
         return {m.instance_id: role for role in ROLES for m in self.members[role]}
 
     def bench(self, member: Member) -> None:
-        """Stop routing to ``member`` for a while (it refused a connection)."""
-        self.benched[member.instance_id] = time.monotonic() + BENCH_S
+        """Stop routing to ``member``'s process for a while (it refused a connection);
+        a new process under its id (restarted, ready and registered) is not benched."""
+        self.benched[member.instance_id] = (member.endpoint, time.monotonic() + BENCH_S)
+
+    def _benched(self, member: Member, now: float) -> bool:
+        bench = self.benched.get(member.instance_id)
+        return bench is not None and bench[0] == member.endpoint and now < bench[1]
 
     def score(self, member: Member, role: str) -> float:
         """Published load plus what this gateway sent there since."""
@@ -224,6 +234,29 @@ class Router:
     def lent(self) -> dict[str, int]:
         """Per role: the other role's instances serving it at the moment."""
         return {r: serving(self.live(other_role(r)), r) for r in LENDING_ROLES}
+
+    async def catch_up(self) -> None:
+        """Read membership now, out of turn, because no instance qualified: the view lags
+        up to ``refresh_s``, and a replacement may have registered since (a rolling
+        restart drains the next instance as soon as this one is ready). Callers that
+        find no instance at once share one read."""
+        asked = time.monotonic()
+        async with self._catch_up:
+            if self._read_at < asked:
+                await self.refresh()
+
+    async def pick_current(
+        self,
+        role: str,
+        cost: int,
+        exclude: set[str] | None = None,
+        hits: PrefixHits = NO_HITS,
+        alongside: Pick | None = None,
+    ) -> Pick:
+        """:meth:`pick`; when no instance qualifies, again on a fresh membership read."""
+        if not any(m.instance_id not in (exclude or ()) for m in self.candidates(role, alongside)):
+            await self.catch_up()
+        return self.pick(role, cost, exclude, hits, alongside)
 
     def pick(
         self,

@@ -33,6 +33,9 @@ def default_advertise_host() -> str:
         return "127.0.0.1"
 
 
+Endpoint = tuple[str, int, int | None, str | None, float]  # where, and which process
+
+
 class Member(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -56,7 +59,7 @@ class Member(BaseModel):
         return f"http://{self.host}:{self.http_port}"
 
     @property
-    def endpoint(self) -> tuple[str, int, int | None, str | None, float]:
+    def endpoint(self) -> Endpoint:
         """Where and which process this member is: equal across heartbeats of one process
         (unlike ``load``), different once it restarts."""
         return (self.host, self.http_port, self.data_port, self.transport, self.started_at)
@@ -94,23 +97,28 @@ class LastKnown:
 
     Redis restarted empty reads as every instance gone at once, until each one's next
     heartbeat re-registers it. A role whose registry turns empty therefore keeps its
-    last known members for ``grace_s`` (the member TTL: no longer than a killed
-    instance's key outlives it); a dead one among them fails at the transport, as it
-    would before its key expired. A non-empty registry replaces the view at once, so a
-    drained instance that deregistered leaves it on the next read."""
+    last known members until it has read empty for ``grace_s`` (the member TTL: no
+    longer than a killed instance's key outlives it; a dead one among them fails at
+    the transport, as it would before its key expired). The grace counts from the
+    first empty read, not from the last full one, so an outage while Redis was
+    unreachable does not use it up. A non-empty registry replaces the view at once,
+    so a drained instance that deregistered leaves it on the next read."""
 
     def __init__(self, grace_s: float, clock: Callable[[], float] = time.monotonic):
         self.grace_s = grace_s
         self.clock = clock
         self.members: list[Member] = []
-        self._seen = -float("inf")  # when the registry last listed any member
+        self._empty_since: float | None = None  # the first empty read while bridging
 
     def update(self, members: list[Member]) -> list[Member]:
-        now = self.clock()
         if members:
-            self.members, self._seen = members, now
-        elif now - self._seen >= self.grace_s:
-            self.members = []
+            self.members, self._empty_since = members, None
+        elif self.members:
+            now = self.clock()
+            if self._empty_since is None:
+                self._empty_since = now
+            if now - self._empty_since >= self.grace_s:
+                self.members, self._empty_since = [], None
         return self.members
 
 

@@ -126,3 +126,18 @@ def test_a_prompt_in_flight_counts_as_held_by_its_prefill(monkeypatch: pytest.Mo
     monkeypatch.setattr(time, "monotonic", lambda: clock)
     late = r.pick("prefill", 170, hits=PrefixHits(keys=keys))
     assert late.predicted_cached == 0  # forgotten: the index speaks for it now
+
+
+def test_a_bench_ends_when_the_instance_restarts_under_the_same_id() -> None:
+    """A draining instance refuses connections and is benched; the process that replaces
+    it (same id, new start time) takes traffic as soon as it is registered, not after
+    the bench: in a rolling restart the other instance drains next."""
+    old = member("prefill", "a")
+    r = router(prefill=[old])
+    r.bench(old)
+    assert r.live("prefill") == []
+    restarted = old.model_copy(update={"started_at": old.started_at + 60.0})
+    r.members["prefill"] = [restarted]
+    assert r.live("prefill") == [restarted]
+    r.members["prefill"] = [old]  # a stale view of the old process: still benched
+    assert r.live("prefill") == []
