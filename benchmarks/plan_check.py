@@ -5,7 +5,9 @@ profile, ``baton profile``) predicts goodput, TTFT and TPOT for the trace; then
 ``baton up --prefill P --decode D --max-threads 1`` (fixed threads, as the
 simulation assumes) serves the same requests (``baton bench``'s trace replay:
 the same scaling, arrivals and lengths) and the same figures are measured.
-Printed: both rankings and each split's predicted / measured goodput.
+Printed: both rankings and each split's predicted / measured goodput; with
+``--repeats N`` each split is measured N times, round-robin, and the median of
+its runs is compared (every run is printed and saved too).
 
     python -m benchmarks.plan_check \\
         --trace ../shared/workloads/azure-2023/AzureLLMInferenceTrace_conv.csv \\
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,6 +95,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_trace_arguments(p)
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--splits", nargs="+", default=["1:1", "1:2", "2:1"], help="P:D")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each split, interleaved; medians compared"
+    )
     p.add_argument("--profile", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("bench-results/plan-check"))
     return p.parse_args(argv)
@@ -101,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     profile = load(args.profile or default_profile_path())
-    splits = [tuple(int(x) for x in s.split(":")) for s in args.splits]
+    splits = [(int(p), int(d)) for p, d in (s.split(":") for s in args.splits)]
     requests = load_workload(
         args.trace,
         n=args.num_requests,
@@ -123,20 +129,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             client_on_host=True,  # the load generator runs beside the cluster here
         )
     }
+    runs: dict[tuple[int, int], list[dict[str, float]]] = {split: [] for split in splits}
+    for round_ in range(args.repeats):  # round-robin: drift on the host hits every split
+        for p, d in splits:
+            runs[(p, d)].append(measure_split(args, p, d))
+            print(f"run {round_ + 1}/{args.repeats} {p}P:{d}D: {runs[(p, d)][-1]}", flush=True)
     rows: list[dict[str, Any]] = []
     for p, d in splits:
-        measured = measure_split(args, p, d)
         c = predicted[(p, d)]
+        goodputs = [m["goodput"] for m in runs[(p, d)]]
         rows.append(
             {
                 "split": f"{p}P:{d}D",
                 "predicted_goodput": c.goodput,
-                "measured_goodput": measured["goodput"],
+                "measured_goodput": statistics.median(goodputs),
+                "measured_goodput_runs": goodputs,
                 "predicted_ttft_p50": c.ttft_p50,
-                "measured_ttft_p50": measured["ttft_p50"],
+                "measured_ttft_p50": statistics.median(m["ttft_p50"] for m in runs[(p, d)]),
                 "predicted_tpot_p50": c.tpot_p50,
-                "measured_tpot_p50": measured["tpot_p50"],
-                "failed": measured["failed"],
+                "measured_tpot_p50": statistics.median(m["tpot_p50"] for m in runs[(p, d)]),
+                "failed": sum(m["failed"] for m in runs[(p, d)]),
             }
         )
         print(json.dumps(rows[-1]), flush=True)

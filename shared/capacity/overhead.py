@@ -16,11 +16,12 @@ The simulator adds these to the steps it times from the profile.
 
 Around each group of requests it also reads the CPU seconds that the processes
 beside the engines used (the gateway, the KV store and Redis, from ``/proc``;
-and this process, the load generator) and fits them, by least squares over the
-groups, as seconds per request, per prompt token and per streamed token
-(:class:`~shared.capacity.profile.SideCpu`). Under load those processes take
-cores from the engines, which the latency figures above, taken one request at a
-time, do not show.
+this process, the load generator; and the prefill and decode processes' threads
+other than the engine's, which move KV and stream tokens) and fits them, by
+least squares over the groups, as seconds per request, per prompt token and per
+streamed token (:class:`~shared.capacity.profile.SideCpu`). Under load those
+threads take cores from the engines, which the latency figures above, taken one
+request at a time, do not show.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class SideUse:
     output_tokens: int
     cluster_s: float
     client_s: float
+    workers_s: float = 0.0  # the prefill and decode processes beyond their engine threads
 
 
 def fit_side(groups: Sequence[SideUse], cpu_of: Callable[[SideUse], float]) -> SideCpu:
@@ -84,24 +86,32 @@ def fit_side(groups: Sequence[SideUse], cpu_of: Callable[[SideUse], float]) -> S
 
 
 class _SideMeter:
-    """CPU seconds used by ``pids`` and by this process since the last reading."""
+    """CPU seconds used by ``pids`` (the gateway, the store, Redis), by ``workers`` (the
+    prefill and decode processes) less their engine threads, and by this process (the
+    load generator), since the last reading."""
 
-    def __init__(self, pids: Sequence[int]):
+    def __init__(self, pids: Sequence[int], workers: Sequence[int], engine_thread: str):
         self.pids = pids
+        self.workers = workers
+        self.engine_thread = engine_thread
         self._last = self._read()
 
     def restart(self) -> None:
         """Count from now (what happened since the last reading is not a group)."""
         self._last = self._read()
 
-    def _read(self) -> tuple[float, float]:
-        return sum(cpu_seconds(p) for p in self.pids), time.process_time()
+    def _read(self) -> tuple[float, float, float]:
+        return (
+            sum(cpu_seconds(p) for p in self.pids),
+            time.process_time(),
+            sum(cpu_seconds(p, except_thread=self.engine_thread) for p in self.workers),
+        )
 
     def group(self, requests: int, prompt_tokens: int, output_tokens: int) -> SideUse:
         now = self._read()
-        cluster, client = (b - a for a, b in zip(self._last, now, strict=True))
+        cluster, client, workers = (b - a for a, b in zip(self._last, now, strict=True))
         self._last = now
-        return SideUse(requests, prompt_tokens, output_tokens, cluster, client)
+        return SideUse(requests, prompt_tokens, output_tokens, cluster, client, workers)
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,7 @@ def measure_overhead(
     points: Points = Points(),
     progress: Progress = lambda _: None,
 ) -> ServiceOverhead:
+    from shared.engine.engine_loop import ENGINE_THREAD
     from shared.launcher import LocalCluster, Topology
     from shared.procs import PortPicker
 
@@ -148,7 +159,11 @@ def measure_overhead(
         cluster = LocalCluster(topology, log_dir=Path(logs)).start()
         try:
             target = Target(cluster.gateway_url, asyncio.run(_model(cluster.gateway_url)))
-            meter = _SideMeter(cluster.pids({"gateway", "kvstore", "redis"}))
+            meter = _SideMeter(
+                cluster.pids({"gateway", "kvstore", "redis"}),
+                cluster.pids({"prefill", "decode"}),
+                ENGINE_THREAD,
+            )
             groups = []
             ttfts = {}
             for n in points.prompt_tokens:
@@ -182,6 +197,7 @@ def measure_overhead(
         fit(profile, ttfts, tpots),
         cluster=fit_side(groups, lambda g: g.cluster_s),
         client=fit_side(groups, lambda g: g.client_s),
+        workers=fit_side(groups, lambda g: g.workers_s),
     )
 
 

@@ -72,20 +72,22 @@ class ServiceOverhead:
     token_s: float = 0.0  # per token of a decode step
     cluster: SideCpu = SideCpu()  # the gateway, the KV store and Redis
     client: SideCpu = SideCpu()  # a load generator on the same machine
+    workers: SideCpu = SideCpu()  # prefill and decode processes, beyond the engine thread
 
     def decode_step_s(self, batch: int) -> float:
         return max(0.0, self.step_s + self.token_s * batch)
 
     @classmethod
     def from_dict(cls, body: Mapping[str, Any]) -> ServiceOverhead:
-        """As :func:`dataclasses.asdict` wrote it; profiles older than ``cluster`` and
-        ``client`` load with no CPU charged for them."""
+        """As :func:`dataclasses.asdict` wrote it; profiles older than ``cluster``,
+        ``client`` or ``workers`` load with no CPU charged for them."""
         return cls(
             request_s=float(body.get("request_s", 0.0)),
             step_s=float(body.get("step_s", 0.0)),
             token_s=float(body.get("token_s", 0.0)),
             cluster=SideCpu(**body.get("cluster", {})),
             client=SideCpu(**body.get("client", {})),
+            workers=SideCpu(**body.get("workers", {})),
         )
 
 

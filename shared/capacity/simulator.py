@@ -25,8 +25,9 @@ What is modelled, per instance:
 - **Serving overhead**: what the profile measured serving adds beyond the
   engine (:mod:`shared.capacity.overhead`): per prompt at its last prefill
   step, and per decode step by its batch size.
-- **Processes beside the engines**: the gateway, the KV store and Redis (and,
-  with ``client_on_host``, the load generator) burn CPU per request, per
+- **Processes beside the engines**: the gateway, the KV store and Redis, the
+  workers' threads beside their engine's (moving KV, streaming tokens) and,
+  with ``client_on_host``, the load generator burn CPU per request, per
   prompt token (its KV goes through the store) and per streamed token, as the
   profile measured; each is one thread on the shared cores that works off what
   it is handed, slowing the engines while it runs.
@@ -231,7 +232,7 @@ def simulate(
     prefills = [_Instance(t) for _ in range(deployment.prefill)]
     decodes = [_Instance(t) for _ in range(deployment.decode)]
     cpu = _Cpu(cores, clock)
-    sides = [_Side(cpu, profile.overhead.cluster)]
+    sides = [_Side(cpu, profile.overhead.cluster), _Side(cpu, profile.overhead.workers)]
     if client_on_host:
         sides.append(_Side(cpu, profile.overhead.client))
     stored: set[int] = set()

@@ -31,9 +31,12 @@ from shared.engine.engine import Engine
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.outputs import RequestOutput
 from shared.engine.snapshot import EngineSnapshot
+from shared.procs import name_thread
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+ENGINE_THREAD = "baton-engine"  # the engine thread's OS name
 
 ENGINE_DIED = None
 """Put on every subscribed queue when the engine thread dies (so no request waits forever)."""
@@ -204,6 +207,7 @@ class EngineLoop:
     # -- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
         stalled = False  # the last step found nothing runnable: wait for a command
+        name_thread(ENGINE_THREAD)  # the profile tells its CPU from the process's other threads
         try:
             if self.cpus:  # Linux affinity is per thread: the event loop keeps its own CPUs
                 os.sched_setaffinity(0, self.cpus)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import time
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,33 @@ def test_cpu_seconds_counts_what_a_process_used() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
     assert cpu_seconds(dead.pid) == 0.0  # gone: nothing to read
+
+
+def test_a_named_threads_cpu_can_be_left_out() -> None:
+    """The profiler counts a worker's CPU beside its engine thread (named for the OS)."""
+    import threading
+
+    spun, read = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        procs.name_thread("spinner-test")
+        deadline = time.thread_time() + 0.3
+        while time.thread_time() < deadline:
+            pass
+        spun.set()
+        read.wait(10)  # alive (and listed) until the figures are read
+
+    before_all = cpu_seconds(os.getpid())
+    before_rest = cpu_seconds(os.getpid(), except_thread="spinner-test")
+    t = threading.Thread(target=spin)
+    t.start()
+    assert spun.wait(10)
+    names = [
+        (task / "comm").read_text().strip() for task in Path(f"/proc/{os.getpid()}/task").iterdir()
+    ]
+    spent_all = cpu_seconds(os.getpid()) - before_all
+    spent_rest = cpu_seconds(os.getpid(), except_thread="spinner-test") - before_rest
+    read.set()
+    t.join()
+    assert "spinner-test" in names
+    assert spent_all >= 0.25 and spent_rest < spent_all - 0.2

@@ -53,3 +53,5 @@ def test_measured_on_a_real_cluster() -> None:
     assert o.decode_step_s(1) > 0.0
     # the gateway, the store and the load generator did work for those requests
     assert o.cluster.seconds(1, 32, 6) > 0.0 and o.client.seconds(1, 32, 6) > 0.0
+    # and so did the workers' threads beside their engines (KV in and out, streaming)
+    assert o.workers.seconds(1, 32, 6) > 0.0

@@ -41,7 +41,10 @@ def test_decode_fit_recovers_the_step_time_model() -> None:
 def test_saved_profiles_load_back_and_bad_files_are_refused(tmp_path: Path) -> None:
     side = SideCpu(request_s=0.004, prompt_token_s=2e-6, output_token_s=1e-4)
     p = replace(
-        linear_profile(), overhead=ServiceOverhead(0.05, 0.002, 0.0005, cluster=side, client=side)
+        linear_profile(),
+        overhead=ServiceOverhead(
+            0.05, 0.002, 0.0005, cluster=side, client=side, workers=replace(side, request_s=0.01)
+        ),
     )
     p.save(tmp_path / "p.json")
     back = load(tmp_path / "p.json")
@@ -49,10 +52,10 @@ def test_saved_profiles_load_back_and_bad_files_are_refused(tmp_path: Path) -> N
     assert back.overhead == p.overhead
     # a profile saved before the side processes were measured charges nothing for them
     body = json.loads((tmp_path / "p.json").read_text())
-    del body["overhead"]["cluster"], body["overhead"]["client"]
+    del body["overhead"]["cluster"], body["overhead"]["client"], body["overhead"]["workers"]
     (tmp_path / "older.json").write_text(json.dumps(body))
     older = load(tmp_path / "older.json").overhead
-    assert older.request_s == 0.05 and older.cluster == SideCpu() == older.client
+    assert older.request_s == 0.05 and older.cluster == SideCpu() == older.client == older.workers
     assert back.prefill_seconds(700, 1) == p.prefill_seconds(700, 1)
     (tmp_path / "old.json").write_text('{"version": 0}')
     with pytest.raises(ProfileError, match="version-1"):

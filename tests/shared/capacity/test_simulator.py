@@ -49,6 +49,9 @@ def test_side_processes_take_cores_from_the_engines_only_when_cores_are_short() 
     (local,) = simulate(reqs, ONE, clients, cores=1, client_on_host=True).outcomes
     assert remote.tpot_s == pytest.approx(plain.tpot_s)
     assert local.tpot_s == pytest.approx(short.tpot_s)
+    workers = replace(p, overhead=ServiceOverhead(workers=busy))  # always on the host
+    (moving,) = simulate(reqs, ONE, workers, cores=1).outcomes
+    assert moving.tpot_s == pytest.approx(short.tpot_s)
 
 
 def test_batched_prompts_cost_their_own_curves_and_chunks_their_increments() -> None:
