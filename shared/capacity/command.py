@@ -126,6 +126,7 @@ def run_profile(args: argparse.Namespace) -> int:
         )
         for name, side in (
             ("gateway, store and Redis", overhead.cluster),
+            ("workers beside their engine threads", overhead.workers),
             ("client", overhead.client),
         ):
             say(

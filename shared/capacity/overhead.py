@@ -116,15 +116,18 @@ class _SideMeter:
 
 @dataclass(frozen=True)
 class Points:
-    """What to send: prompts alone (their lengths), then batches of streams."""
+    """What to send: prompts alone (their lengths, ``alone`` times each), then batches
+    of streams. ``/proc`` counts CPU in ticks (10 ms), summed over a handful of
+    processes: groups must be large enough for that to round away."""
 
     prompt_tokens: tuple[int, ...] = (256, 1024)
     batches: tuple[int, ...] = (1, 8, 16)
     stream_prompt: int = 128
     stream_tokens: int = 64
+    alone: int = 6
 
 
-QUICK = Points(prompt_tokens=(512,), batches=(1, 8))
+QUICK = Points(prompt_tokens=(512,), batches=(1, 8), alone=3)
 
 
 def measure_overhead(
@@ -166,14 +169,20 @@ def measure_overhead(
             )
             groups = []
             ttfts = {}
+            # warm-up, not counted: first requests open connections and take code paths
+            # (and the store's first blocks) that no later request pays for again
+            warm = [
+                wl.RequestSpec(wl.synthetic_prompt(points.stream_prompt, rng), 8) for _ in range(4)
+            ]
+            asyncio.run(run_open_loop(target, warm, _quiet))
             for n in points.prompt_tokens:
                 times = []
                 meter.restart()
-                for _ in range(3):
+                for _ in range(points.alone):
                     spec = wl.RequestSpec(wl.synthetic_prompt(n, rng), 2)
                     results, _ = asyncio.run(run_open_loop(target, [spec], _quiet))
                     times.append(_timed(results)[0][0])
-                groups.append(meter.group(3, 3 * n, 3 * 2))
+                groups.append(meter.group(points.alone, points.alone * n, points.alone * 2))
                 ttfts[n] = statistics.median(times)
                 progress(f"serving overhead: {n}-token prompt alone, TTFT {ttfts[n]:.3f}s")
             tpots = {}

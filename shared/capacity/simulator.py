@@ -23,8 +23,10 @@ What is modelled, per instance:
   time for its batch size and summed context, and gives every request in it
   one token.
 - **Serving overhead**: what the profile measured serving adds beyond the
-  engine (:mod:`shared.capacity.overhead`): per prompt at its last prefill
-  step, and per decode step by its batch size.
+  engine (:mod:`shared.capacity.overhead`): per prompt, a wait between its
+  last prefill step and its first token (the hops through the gateway and the
+  store; their CPU is the side processes'), and per decode step, by its batch
+  size, CPU of the engine's thread (the loop around the step).
 - **Processes beside the engines**: the gateway, the KV store and Redis, the
   workers' threads beside their engine's (moving KV, streaming tokens) and,
   with ``client_on_host``, the load generator burn CPU per request, per
@@ -44,6 +46,7 @@ meeting both SLOs per second of the run (first arrival to last token), as
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import deque
@@ -272,7 +275,7 @@ def simulate(
             compute_s -= profile.prefill_seconds(start, inst.threads)
             load += req.load_bytes
             req.load_bytes = 0
-        seconds = compute_s + load / profile.transfer_bytes_s + ending * profile.overhead.request_s
+        seconds = compute_s + load / profile.transfer_bytes_s
         inst.busy = True
         cpu.start(inst.threads, seconds, lambda: end_prefill(inst, batch))
 
@@ -283,11 +286,18 @@ def simulate(
             inst.queued_tokens -= took
             if req.to_compute == 0:
                 inst.queue.remove(req)
-                req.first_token_s = clock.now
-                req.generated = 1
                 stored.update(req.spec.block_ids)
-                handoff(req)
+                # the hops to the first token: a wait, not CPU (what serving spends on
+                # the way, the sides charge)
+                clock.at(
+                    clock.now + profile.overhead.request_s, functools.partial(first_token, req)
+                )
         start_prefill(inst)
+
+    def first_token(req: _Req) -> None:
+        req.first_token_s = clock.now
+        req.generated = 1
+        handoff(req)
 
     def charge(requests: int, prompt_tokens: int, output_tokens: int) -> None:
         for side in sides:

@@ -28,6 +28,10 @@ def test_serving_overhead_lengthens_each_prompt_and_decode_step() -> None:
     (o,) = simulate([SimRequest(0.0, 512, 11)], ONE, served, cores=2).outcomes
     assert o.ttft_s == pytest.approx(0.512 + 0.1)
     assert o.tpot_s == pytest.approx(0.01 + 0.002 + 0.001, rel=1e-3)  # a batch of one
+    # the per-prompt part is a wait on the way to the first token, not prefill CPU: a
+    # prompt queued behind another does not wait for it (the sides charge the CPU)
+    two = simulate([SimRequest(0.0, 512, 2), SimRequest(0.0, 512, 2)], ONE, served, cores=2)
+    assert [round(o.ttft_s, 6) for o in two.outcomes] == [0.612, 1.124]
 
 
 def test_side_processes_take_cores_from_the_engines_only_when_cores_are_short() -> None:
