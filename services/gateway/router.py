@@ -114,10 +114,10 @@ class Router:
         self.block_size: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._catch_up = asyncio.Lock()
-        self._read_at = -float("inf")  # when the latest successful membership read began
+        self._read_at = -float("inf")  # when the latest membership read began
 
     async def refresh(self) -> None:
-        started = time.monotonic()
+        self._read_at = time.monotonic()  # tried, answered or not: catch_up waits no more
         try:
             found = {r: await live_members(self.redis, self.keys, r) for r in ROLES}
         except (RedisError, OSError) as exc:
@@ -126,7 +126,6 @@ class Router:
             self.redis_ok = False
             return
         self.redis_ok = True
-        self._read_at = started
         for role, members in found.items():
             known = self._registered[role].update(members)
             self.members[role] = [m for m in known if role == STORE_ROLE or m.model == self.model]
@@ -239,7 +238,8 @@ class Router:
         """Read membership now, out of turn, because no instance qualified: the view lags
         up to ``refresh_s``, and a replacement may have registered since (a rolling
         restart drains the next instance as soon as this one is ready). Callers that
-        find no instance at once share one read."""
+        find no instance at once share one read, and with Redis down, one failed try
+        (each caller would wait out the socket timeout in turn otherwise)."""
         asked = time.monotonic()
         async with self._catch_up:
             if self._read_at < asked:
