@@ -249,8 +249,7 @@ class Gateway:
                 429, "too many requests in flight; retry later", code="overloaded", headers=retry
             )
         for role in self.roles:
-            if not self.router.candidates(role):
-                await self.router.catch_up()
+            await self.router.catch_up(role)
             if not self.router.candidates(role):
                 raise ServiceError(
                     503, f"no live {role} instance is available", code="no_live_instance"

@@ -122,7 +122,8 @@ class Handoff:
         tried: set[str] = set(exclude or ())
         dropped: set[str] = set()  # instances that dropped a reused connection once
         for attempt in range(self.attempts):
-            pick = await self.router.pick_current(role, cost, tried, hits, alongside)
+            await self.router.catch_up(role, tried)
+            pick = self.router.pick(role, cost, tried, hits, alongside)
             instance = pick.member.instance_id
             try:
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)

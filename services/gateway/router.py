@@ -234,29 +234,18 @@ class Router:
         """Per role: the other role's instances serving it at the moment."""
         return {r: serving(self.live(other_role(r)), r) for r in LENDING_ROLES}
 
-    async def catch_up(self) -> None:
-        """Read membership now, out of turn, because no instance qualified: the view lags
-        up to ``refresh_s``, and a replacement may have registered since (a rolling
-        restart drains the next instance as soon as this one is ready). Callers that
-        find no instance at once share one read, and with Redis down, one failed try
-        (each caller would wait out the socket timeout in turn otherwise)."""
+    async def catch_up(self, role: str, exclude: set[str] | None = None) -> None:
+        """When no instance of ``role`` outside ``exclude`` qualifies, read membership
+        now, out of turn: the view lags up to ``refresh_s``, and a replacement may have
+        registered since (a rolling restart drains the next instance as soon as this
+        one is ready). Callers that find none at once share one read, and with Redis
+        down one failed try (each would wait out the socket timeout in turn otherwise)."""
+        if any(m.instance_id not in (exclude or ()) for m in self.candidates(role)):
+            return
         asked = time.monotonic()
         async with self._catch_up:
             if self._read_at < asked:
                 await self.refresh()
-
-    async def pick_current(
-        self,
-        role: str,
-        cost: int,
-        exclude: set[str] | None = None,
-        hits: PrefixHits = NO_HITS,
-        alongside: Pick | None = None,
-    ) -> Pick:
-        """:meth:`pick`; when no instance qualifies, again on a fresh membership read."""
-        if not any(m.instance_id not in (exclude or ()) for m in self.candidates(role, alongside)):
-            await self.catch_up()
-        return self.pick(role, cost, exclude, hits, alongside)
 
     def pick(
         self,

@@ -39,7 +39,8 @@ async def test_no_qualifying_instance_reads_membership_again_before_503(
         await b.beat()  # its replacement registered after the router's last poll
         with pytest.raises(ServiceError):
             router.pick("prefill", 10)  # the stale view has none
-        assert (await router.pick_current("prefill", 10)).member.instance_id == "b"
+        await router.catch_up("prefill")
+        assert router.pick("prefill", 10).member.instance_id == "b"
     finally:
         await redis.aclose()
 
