@@ -15,8 +15,13 @@ blocking the queue) until that block is cached, rather than computing a copy.
 An in-step load runs inside the request's first step (layer by layer,
 overlapped with computing the rest); an asynchronous load parks the request
 (``WAITING_FOR_KV``) until the connector reports it, and the request then
-computes whatever is left. A load that fails sends the request back to
-recompute: a stale cache costs time, never tokens.
+computes whatever is left, ahead of the requests that still need slots. A
+request holds slots from its load on without computing (a decode instance's
+prompt KV arrives before its first token), so an asynchronous load is admitted
+only while every request holding slots keeps one free for its next token:
+loads cannot fill the pool with requests none of which can go on. A load that
+fails sends the request back to recompute: a stale cache costs time, never
+tokens.
 
 When a running request needs a slot and none is free, the latest-arrived
 running request is preempted and waits at the front of the queue. With a
@@ -130,16 +135,23 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.preemption.take_plan())
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        # holding slots (their KV was loaded asynchronously), they only need to grow: they
+        # go first, so a request that waits for slots never holds up those that have them
+        for req in [r for r in self.waiting if r.slots]:
+            taken = self._continue(req, budget)
+            if taken is None:
+                return
+            scheduled.append(ScheduledRequest(req, taken))
+            budget -= taken
         computing = self._blocks_being_computed()
         deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            fresh = not req.slots and req.swapped is None
+            fresh = req.swapped is None
             if fresh and self.kv.waits_for_computing(req, computing):
                 deferred.append(self.waiting.popleft())
                 continue
-            # holding slots: its KV was loaded asynchronously, compute the rest
-            taken = self._continue(req, budget) if req.slots else self._start(req, budget)
+            taken = self._start(req, budget)
             if taken is None:
                 break
             if taken:
@@ -164,7 +176,9 @@ class Scheduler:
         ext = self.loads.offer(req, local)
         computed = local + ext.num_tokens
         if ext.asynchronous and ext.num_tokens:
-            if not self.kv.can_admit(hits, computed, headroom=len(self.running)):
+            # it holds slots from now on without computing; every holder keeps a free slot
+            # for its next token, or loads could take the pool with none able to go on
+            if not self.kv.can_admit(hits, computed, headroom=self._holders() + 1):
                 return None
             self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
             self.preemption.resumed(req, local, computed, pending=True)
@@ -201,13 +215,18 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
             req.cache_hit = hit
 
+    def _holders(self) -> int:
+        """Requests holding slots (running, loading, or loaded and waiting)."""
+        return sum(1 for r in self.requests.values() if r.slots)
+
     def _continue(self, req: Request, budget: int) -> int | None:
-        if budget <= 0:
+        """Run a request holding slots (what is left to compute); None when it must wait."""
+        if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return None
         num_new = min(self._chunk(req.num_tokens - req.num_computed_tokens, None), budget)
         if not self.kv.grow(req, req.num_computed_tokens + num_new):
             return None
-        self.waiting.popleft()
+        self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return num_new
