@@ -14,18 +14,17 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from shared.config import EngineConfig, default_cache_dir
-from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.host_swap import HostSwapSpace
+from shared.engine.host_swap import build_swap
 from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
 from shared.engine.kv_connector import KVConnector
 from shared.engine.model_runner import ModelRunner
-from shared.engine.outputs import Completion, RequestOutput, RequestTimings
+from shared.engine.output_processor import OutputProcessor
+from shared.engine.outputs import Completion, RequestOutput
 from shared.engine.request import (
     FinishReason,
     Request,
@@ -37,7 +36,6 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import SchedulerOutput
 from shared.engine.snapshot import EngineSnapshot
-from shared.engine.swap import SwapCostModel, Swapper, SwapStats
 from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockHasher
 from shared.kv.kv_cache import KVCache
@@ -84,7 +82,7 @@ class Engine:
         if connector is not None:
             connector.bind(self.kv_cache)
         self.max_model_len = arch.max_position_embeddings
-        self.swap_space, self.swapper = self._swap(config)
+        self.swap_space, self.swapper = build_swap(config, self.kv_cache)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -97,24 +95,13 @@ class Engine:
             config.attention, loaded.model.dtype, arch.head_dim, config.device, config.kernel_dir
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention)
-        self._detok: dict[RequestId, IncrementalDetokenizer] = {}
-        self.timings: dict[RequestId, RequestTimings] = {}
+        self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._next_id = 0
         self._steps = 0
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was runnable)
         # called on the engine thread after each layer's K/V are written (before they
         # are saved): it may change the thread count (see shared.engine.elastic_threads)
         self.between_layers: Callable[[], None] | None = None
-
-    def _swap(self, config: EngineConfig) -> tuple[HostSwapSpace | None, Swapper | None]:
-        """Host swap space and the scheduler's swapper; without host space the swapper
-        still spills preempted requests to the connector (the KV store)."""
-        blocks = config.cache.swap_space_bytes // self.layout.block_bytes
-        if config.scheduler.preemption_mode == "recompute":
-            return None, None
-        space = HostSwapSpace(self.kv_cache, blocks) if blocks >= 1 else None
-        always = config.scheduler.preemption_mode == "swap"
-        return space, Swapper(blocks, self.layout.block_bytes, SwapCostModel(), always=always)
 
     @classmethod
     def from_config(
@@ -192,11 +179,7 @@ class Engine:
         req.kv_transfer = kv_transfer
         req.awaiting_first_token = awaiting_first_token
         self.scheduler.add(req)
-        if detokenize or req.params.stop:
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, stop=req.params.stop
-            )
-        self.timings[req.request_id] = RequestTimings(arrival=req.arrival)
+        self.output.add(req, detokenize=detokenize)
         return req.request_id
 
     def add_request(
@@ -228,8 +211,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its KV; False when the id is unknown or already done."""
-        self._detok.pop(RequestId(request_id), None)
-        self.timings.pop(RequestId(request_id), None)
+        self.output.forget(RequestId(request_id))
         return self.scheduler.finish(RequestId(request_id), FinishReason.ABORT) is not None
 
     def set_num_threads(self, n: int) -> None:
@@ -250,7 +232,7 @@ class Engine:
         if self.swapper is not None:
             tokens = scheduled.num_batched_tokens
             self.swapper.cost.observe_compute(tokens, time.perf_counter() - t0)
-        return self._outputs(self.scheduler.update(scheduled, sampled, failed))
+        return self.output.outputs(self.scheduler.update(scheduled, sampled, failed))
 
     def _swap_blocks(self, scheduled: SchedulerOutput) -> None:
         """Preempted requests' blocks out to host memory, resumed ones' back in."""
@@ -268,11 +250,7 @@ class Engine:
         if scheduled.is_empty:
             return {}, frozenset()
         self._steps += 1
-        now = time.perf_counter()
-        for s in scheduled.scheduled:
-            timing = self.timings.get(s.request.request_id)
-            if timing is not None and timing.scheduled is None:
-                timing.scheduled = now
+        self.output.scheduled(scheduled, time.perf_counter())
         connector, between = self.connector, self.between_layers
         if connector is None:
             hook = None if between is None else (lambda _layer, _step: between())
@@ -295,64 +273,7 @@ class Engine:
         return self.kv.take_events()
 
     def snapshot(self) -> EngineSnapshot:
-        s, kv = self.scheduler, self.kv
-        queued = [*s.waiting, *s.running]
-        pending = {r.request_id: r.num_tokens - r.num_computed_tokens for r in queued}
-        return EngineSnapshot(
-            steps=self._steps,
-            waiting=len(s.waiting),
-            running=len(s.running),
-            loading=len(s.loads.loading),
-            parked=len(s.parked),
-            pending_tokens=sum(pending.values()),
-            free_slots=kv.num_free,
-            num_slots=kv.num_slots,
-            cached_blocks=kv.num_cached,
-            requests=frozenset(s.requests),
-            preemptions=s.preemption.num_preemptions,
-            swap=replace(self.swapper.stats) if self.swapper is not None else SwapStats(),
-            pending_by_request=pending,
-            waiting_ids=frozenset(r.request_id for r in s.waiting),
-        )
-
-    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
-        now = time.perf_counter()
-        outs: list[RequestOutput] = []
-        for req in changed:
-            new_ids = req.output_token_ids[-1:]
-            text = ""
-            detok = self._detok.get(req.request_id)
-            if detok is not None:
-                text = detok.add(new_ids)
-                if detok.stopped_by is not None and not req.is_finished:
-                    self.scheduler.finish(req.request_id, FinishReason.STOP)
-                if req.is_finished:
-                    text += detok.finish()
-                    del self._detok[req.request_id]
-            timing = self.timings[req.request_id]
-            timing.admitted = req.admitted
-            if timing.first_token is None:
-                timing.first_token = now
-            if req.is_finished:
-                timing.finished = now
-                del self.timings[req.request_id]
-            outs.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    new_token_ids=new_ids,
-                    new_text=text,
-                    new_logprobs=req.output_logprobs[-1:]
-                    if req.params.logprobs is not None
-                    else [],
-                    finished=req.is_finished,
-                    finish_reason=req.finish_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_output_tokens=len(req.output_token_ids),
-                    cache_hit=req.cache_hit,
-                    timings=timing if req.is_finished else None,
-                )
-            )
-        return outs
+        return EngineSnapshot.of(self.scheduler, self.swapper, steps=self._steps)
 
     # -- convenience -------------------------------------------------------------
     def generate(

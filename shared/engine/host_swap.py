@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.swap import SwapPlan
+from shared.config import EngineConfig
+from shared.engine.swap import SwapCostModel, Swapper, SwapPlan
 from shared.kv.kv_cache import KVCache, anonymous_zeros
 
 
@@ -48,3 +49,15 @@ class HostSwapSpace:
             torch.cuda.synchronize(self.pool.pool.device)
         n = len(plan.copy_out) + len(plan.copy_in)
         return CopyTiming(n * self.pool.layout.block_bytes, time.perf_counter() - t0)
+
+
+def build_swap(config: EngineConfig, pool: KVCache) -> tuple[HostSwapSpace | None, Swapper | None]:
+    """The host swap space and the scheduler's swapper an engine's config asks for: none
+    for recompute-preemption; without host space the swapper still spills preempted
+    requests to the connector (the KV store)."""
+    if config.scheduler.preemption_mode == "recompute":
+        return None, None
+    blocks = config.cache.swap_space_bytes // pool.layout.block_bytes
+    space = HostSwapSpace(pool, blocks) if blocks >= 1 else None
+    always = config.scheduler.preemption_mode == "swap"
+    return space, Swapper(blocks, pool.layout.block_bytes, SwapCostModel(), always=always)

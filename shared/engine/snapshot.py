@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from shared.engine.request import RequestId
-from shared.engine.swap import SwapStats
+from shared.engine.swap import Swapper, SwapStats
+
+if TYPE_CHECKING:
+    from shared.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,28 @@ class EngineSnapshot:
     # per queued or running request: tokens not yet computed (``pending_tokens`` split)
     pending_by_request: Mapping[RequestId, int] = field(default_factory=dict)
     waiting_ids: frozenset[RequestId] = frozenset()  # the ``waiting`` ones
+
+    @classmethod
+    def of(cls, s: Scheduler, swapper: Swapper | None, *, steps: int) -> EngineSnapshot:
+        kv = s.kv
+        queued = [*s.waiting, *s.running]
+        pending = {r.request_id: r.num_tokens - r.num_computed_tokens for r in queued}
+        return cls(
+            steps=steps,
+            waiting=len(s.waiting),
+            running=len(s.running),
+            loading=len(s.loads.loading),
+            parked=len(s.parked),
+            pending_tokens=sum(pending.values()),
+            free_slots=kv.num_free,
+            num_slots=kv.num_slots,
+            cached_blocks=kv.num_cached,
+            requests=frozenset(s.requests),
+            preemptions=s.preemption.num_preemptions,
+            swap=replace(swapper.stats) if swapper is not None else SwapStats(),
+            pending_by_request=pending,
+            waiting_ids=frozenset(r.request_id for r in s.waiting),
+        )
 
     @property
     def usage(self) -> float:

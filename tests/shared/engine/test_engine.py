@@ -278,7 +278,7 @@ def test_abort_frees_kv(make_engine: EngineFactory, loaded_fp32: LoadedModel) ->
     assert not engine.abort(rids[0])
     assert not engine.has_unfinished()
     assert engine.kv.num_free == engine.kv.num_slots
-    assert not engine.timings
+    assert not engine.output.timings
 
 
 def test_stop_string_cuts_text(make_engine: EngineFactory) -> None:
