@@ -121,11 +121,8 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            end = req.num_computed_tokens + num_new
-            while not self.kv.grow(req, end) and self.running[-1] is not req:
-                preempted.append(self._preempt(self.running.pop()))
-            if not self.kv.grow(req, end):
-                preempted.append(self._preempt(self.running.pop()))
+            if not self._make_room(req, req.num_computed_tokens + num_new, preempted):
+                preempted.append(self._preempt(self.running.pop()))  # req itself
                 break
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
@@ -134,15 +131,35 @@ class Scheduler:
             self._admit(budget, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.preemption.take_plan())
 
+    def _make_room(self, req: Request, end: int, preempted: list[RequestId]) -> bool:
+        """Grow running ``req`` to ``end`` tokens. Slots come first from requests holding
+        them idle in the queue (loaded KV, the cheapest to give up), then from the latest
+        running requests; False when only ``req`` itself is left to preempt."""
+        while not self.kv.grow(req, end):
+            idle = [r for r in self.waiting if r.slots]
+            if idle:
+                preempted.append(self._release(idle[-1]))
+            elif self.running[-1] is not req:
+                preempted.append(self._preempt(self.running.pop()))
+            else:
+                return False
+        return True
+
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         # holding slots (their KV was loaded asynchronously), they only need to grow: they
         # go first, so a request that waits for slots never holds up those that have them
+        stuck: list[Request] = []
         for req in [r for r in self.waiting if r.slots]:
             taken = self._continue(req, budget)
             if taken is None:
-                return
+                stuck.append(req)
+                continue
             scheduled.append(ScheduledRequest(req, taken))
             budget -= taken
+        if stuck:
+            if not scheduled:
+                self._unwedge(stuck, budget, scheduled)
+            return
         computing = self._blocks_being_computed()
         deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -176,9 +193,11 @@ class Scheduler:
         ext = self.loads.offer(req, local)
         computed = local + ext.num_tokens
         if ext.asynchronous and ext.num_tokens:
-            # it holds slots from now on without computing; every holder keeps a free slot
-            # for its next token, or loads could take the pool with none able to go on
-            if not self.kv.can_admit(hits, computed, headroom=self._holders() + 1):
+            # it holds slots from now on without computing: leave room for its next token
+            # and a slot for every other holder's, or loads could take the pool with none
+            # able to go on (_unwedge is the backstop)
+            own = self.kv.blocks_for(computed + 1) - self.kv.blocks_for(computed)
+            if not self.kv.can_admit(hits, computed, headroom=self._holders() + own):
                 return None
             self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
             self.preemption.resumed(req, local, computed, pending=True)
@@ -215,6 +234,24 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
             req.cache_hit = hit
 
+    def _unwedge(
+        self, stuck: list[Request], budget: int, scheduled: list[ScheduledRequest]
+    ) -> None:
+        """Nothing runs and the requests holding slots in the queue cannot grow (their
+        tails outgrew what is free): preempt the latest of them, one by one, until the
+        first can go on. Without room even then, wait for the loads, first tokens and
+        releases that free slots (each wakes the engine)."""
+        first, rest = stuck[0], stuck[1:]
+        need = self.kv.blocks_for(first.num_tokens) - len(first.slots)
+        if need > self.kv.num_free + sum(len(r.slots) for r in rest):
+            return
+        while rest:
+            self._release(rest.pop())
+            taken = self._continue(first, budget)
+            if taken is not None:
+                scheduled.append(ScheduledRequest(first, taken))
+                return
+
     def _holders(self) -> int:
         """Requests holding slots (running, loading, or loaded and waiting)."""
         return sum(1 for r in self.requests.values() if r.slots)
@@ -239,6 +276,13 @@ class Scheduler:
         if cap and self.config.enable_chunked_prefill:
             remaining = min(remaining, cap)
         return remaining if budget is None else min(remaining, budget)
+
+    def _release(self, req: Request) -> RequestId:
+        """Preempt a request holding slots in the queue; it keeps its place there."""
+        self.preemption.evict(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        return req.request_id
 
     def _preempt(self, req: Request) -> RequestId:
         self.preemption.evict(req)

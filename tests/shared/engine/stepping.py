@@ -29,6 +29,7 @@ def make(
     chunk_cap: int = 0,
     connector: FakeConnector | None = None,
     swapper: Swapper | None = None,
+    caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -37,7 +38,11 @@ def make(
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=chunk_cap,
         ),
-        KVCacheManager(num_blocks, BlockHasher(namespace="test", block_size=block_size)),
+        KVCacheManager(
+            num_blocks,
+            BlockHasher(namespace="test", block_size=block_size),
+            enable_caching=caching,
+        ),
         max_model_len=256,
         eos_token_ids=(EOS,),
         connector=connector,
