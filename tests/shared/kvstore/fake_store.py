@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,7 +89,9 @@ class FakeKVStoreClient:
         self.phantoms: set[str] = set()  # index entries for blocks the store no longer has
         self.break_streams_after: int | None = None  # layers a stream delivers, then fails
         self.streams = 0
-        self.hold_streams_from: int | None = None  # streams past this many wait for ``gate``
+        # streams whose ids this says to hold wait for ``gate`` (``held`` counts them)
+        self.hold_streams: Callable[[list[str]], bool] | None = None
+        self.held = 0
         self.gate = asyncio.Event()
         self.streamed: list[list[str]] = []  # the ids of every stream, in order
 
@@ -147,7 +149,8 @@ class FakeKVStoreClient:
     ) -> AsyncIterator[int]:
         self.streams += 1
         self.streamed.append(list(ids))
-        if self.hold_streams_from is not None and self.streams > self.hold_streams_from:
+        if self.hold_streams is not None and self.hold_streams(list(ids)):
+            self.held += 1
             await self.gate.wait()
         views = [np.frombuffer(as_bytes_view(b), dtype=np.uint8) for b in into]
         lb = self.block_bytes // num_layers

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop, next_output
 from shared.engine.outputs import RequestOutput
-from shared.engine.request import CacheHit, Request, SampledToken
+from shared.engine.request import CacheHit, Request, RequestId, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.kvstore.connector import KVStoreConnector, StorePlan
 from shared.kvstore.connector_metrics import ConnectorMetrics
@@ -426,6 +426,12 @@ def spy_on_spills(d: Node, monkeypatch: pytest.MonkeyPatch) -> list[Staged]:
     return seen
 
 
+def resuming_past_the_first_token(e: Engine) -> list[RequestId]:
+    """Requests loading KV that decoded here before: spilled ones resuming (a request
+    that only loaded its prompt and gave its slots up reloads with its first token)."""
+    return [r.request_id for r in e.scheduler.loads.loading.values() if len(r.output_token_ids) > 1]
+
+
 async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
     make_engine: EngineFactory,
 ) -> None:
@@ -441,7 +447,9 @@ async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
         for i, prompt in enumerate(prompts):
             firsts.append((await p.prefill(prompt, params, f"p{i}")).new_token_ids[0])
             ids.append(p.last_plan.put_ids)
-    store.hold_streams_from = len(prompts)  # the prompt loads pass; resumes wait
+    # prompt loads (and reloads) pass; spilled requests' resumes, which load more, wait
+    longest_prompt = max(len(x) for x in ids)
+    store.hold_streams = lambda stream_ids: len(stream_ids) > longest_prompt
     async with node(
         make_engine, store, kv_cache_bytes=14 * store.block_bytes, swap_space_bytes=0
     ) as d:
@@ -451,11 +459,11 @@ async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
             for i, prompt in enumerate(prompts)
         ]
         async with asyncio.timeout(120):
-            while store.streams <= len(prompts):
+            while not store.held:
                 await asyncio.sleep(0.05)
-        loading = await d.loop.call(lambda e: list(e.scheduler.loads.loading))
-        assert loading  # one resume or more, all held
-        rid = loading[0]
+        spilled = await d.loop.call(resuming_past_the_first_token)
+        assert spilled  # one resume or more, all held
+        rid = spilled[0]
         assert await d.loop.call(lambda e: e.abort(rid))
         store.gate.set()
         streams.pop(int(rid.removeprefix("d"))).cancel()
