@@ -23,11 +23,15 @@ loads cannot fill the pool with requests none of which can go on. A load that
 fails sends the request back to recompute: a stale cache costs time, never
 tokens.
 
-When a running request needs a slot and none is free, the latest-arrived
-running request is preempted and waits at the front of the queue. With a
-:class:`~shared.engine.swap.Swapper` its blocks are copied to host memory when
-the cost model finds that cheaper than recomputing them, and copied back when it
-resumes; when the host space is full it spills: the connector keeps its KV (in
+When a running request needs a slot and none is free, requests holding loaded
+KV idle in the queue give theirs up first (the cheapest to load again), then
+the latest-arrived running request is preempted and waits at the front of the
+queue; a request preempts itself only when no other is left. When nothing runs
+and the loaded requests in the queue cannot grow, the latest give their slots
+up until the first can go on. Every preempted request's KV is handled alike:
+with a :class:`~shared.engine.swap.Swapper` its blocks are copied to host memory
+when the cost model finds that cheaper than recomputing them, and copied back
+when it resumes; when the host space is full it spills: the connector keeps its KV (in
 the KV store) and offers it as a load when the request is admitted again.
 Otherwise its slots go back (still findable by key, so resuming may re-hit
 them) and it recomputes.
