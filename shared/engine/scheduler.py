@@ -289,11 +289,9 @@ class Scheduler:
         return req.request_id
 
     def _preempt(self, req: Request) -> RequestId:
-        self.preemption.evict(req)
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
+        """Preempt a running request; it waits at the front of the queue."""
         self.waiting.appendleft(req)
-        return req.request_id
+        return self._release(req)
 
     def _swap_in(self, req: Request, budget: int) -> int | None:
         """Resume a swapped-out request: fresh slots, its blocks copied back, then compute
