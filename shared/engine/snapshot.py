@@ -34,23 +34,23 @@ class EngineSnapshot:
     @classmethod
     def of(cls, s: Scheduler, swapper: Swapper | None, *, steps: int) -> EngineSnapshot:
         kv = s.kv
-        queued = [*s.waiting, *s.running]
+        queued = [*s.queues.waiting, *s.queues.running]
         pending = {r.request_id: r.num_tokens - r.num_computed_tokens for r in queued}
         return cls(
             steps=steps,
-            waiting=len(s.waiting),
-            running=len(s.running),
+            waiting=len(s.queues.waiting),
+            running=len(s.queues.running),
             loading=len(s.loads.loading),
-            parked=len(s.parked),
+            parked=len(s.queues.parked),
             pending_tokens=sum(pending.values()),
             free_slots=kv.num_free,
             num_slots=kv.num_slots,
             cached_blocks=kv.num_cached,
-            requests=frozenset(s.requests),
+            requests=frozenset(s.queues.requests),
             preemptions=s.preemption.num_preemptions,
             swap=replace(swapper.stats) if swapper is not None else SwapStats(),
             pending_by_request=pending,
-            waiting_ids=frozenset(r.request_id for r in s.waiting),
+            waiting_ids=frozenset(r.request_id for r in s.queues.waiting),
         )
 
     @property

@@ -84,5 +84,5 @@ def run_step(s: Scheduler, token: int = 100) -> SchedulerOutput:
 
 def assert_idle(s: Scheduler) -> None:
     """Nothing queued, loading or running, and every slot back in the pool."""
-    assert not s.has_unfinished() and not s.requests and not s.releasing
+    assert not s.has_unfinished() and not s.queues.requests and not s.queues.releasing
     assert s.kv.num_free == s.kv.num_slots

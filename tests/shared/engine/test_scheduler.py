@@ -249,7 +249,7 @@ def test_asynchronous_load_waits_then_computes_only_the_rest() -> None:
     s.add(r)
     out = run_step(s)
     assert out.is_empty and r.status is RequestStatus.WAITING_FOR_KV
-    assert len(r.slots) == 2 and not s.waiting and not s.running
+    assert len(r.slots) == 2 and not s.queues.waiting and not s.queues.running
     fake.end_load(r.request_id)
     out = run_step(s)
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(r, 2)]
@@ -290,7 +290,7 @@ def test_prefilled_elsewhere_loads_and_decodes_from_the_supplied_first_token() -
     assert r.status is RequestStatus.WAITING_FOR_KV and len(r.slots) == 3
     fake.end_load(r.request_id)
     run_step(s)
-    assert r.request_id in s.parked  # loaded, but nothing to compute without the token
+    assert r.request_id in s.queues.parked  # loaded, but nothing to compute without the token
     s.supply_first_token(r.request_id, SampledToken(50))
     out = run_step(s, 60)
     (only,) = out.scheduled
@@ -320,7 +320,7 @@ def test_failed_asynchronous_load_recomputes_the_prompt_but_not_the_first_token(
     s, fake, r = prefilled_elsewhere(10, max_tokens=2)
     fake.end_load(r.request_id, ok=False)
     run_step(s)
-    assert r.request_id in s.parked and not r.slots  # slots freed, nothing computed
+    assert r.request_id in s.queues.parked and not r.slots  # slots freed, nothing computed
     s.supply_first_token(r.request_id, SampledToken(50))
     out = run_step(s, 60)
     # the prompt and the first token are computed here; the token after is sampled
@@ -336,7 +336,7 @@ def test_finished_request_keeps_its_slots_until_the_connector_lets_go() -> None:
     fake.hold_on_finish.add(r.request_id)
     s.add(r)
     run_step(s)
-    assert r.is_finished and r.request_id in s.releasing and len(r.slots) == 2
+    assert r.is_finished and r.request_id in s.queues.releasing and len(r.slots) == 2
     fake.release(r.request_id)
     run_step(s)
     assert_idle(s)
@@ -345,7 +345,7 @@ def test_finished_request_keeps_its_slots_until_the_connector_lets_go() -> None:
 def test_abort_during_an_asynchronous_load_frees_slots_once_released() -> None:
     s, fake, r = prefilled_elsewhere(8, max_tokens=2)
     assert s.finish(r.request_id, FinishReason.ABORT) is r
-    assert r.request_id in s.releasing and s.kv.num_free == s.kv.num_slots - 2
+    assert r.request_id in s.queues.releasing and s.kv.num_free == s.kv.num_slots - 2
     fake.release(r.request_id)
     run_step(s)
     assert_idle(s)
@@ -361,10 +361,10 @@ def test_a_prompt_sharing_a_prefix_being_computed_waits_to_reuse_it() -> None:
         s.add(r)
     out = run_step(s)
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(first, 8), (other, 6)]
-    assert list(s.waiting) == [twin]  # still first in line
+    assert list(s.queues.waiting) == [twin]  # still first in line
     run_step(s)  # first's second chunk: twin's next block is being computed again
     run_step(s)  # first's last chunk
-    assert list(s.waiting) == [twin] and first.is_finished
+    assert list(s.queues.waiting) == [twin] and first.is_finished
     out = run_step(s)
     assert (twin, 30 - 24) in [(x.request, x.num_new_tokens) for x in out.scheduled]
     assert twin.num_cached_tokens == 24

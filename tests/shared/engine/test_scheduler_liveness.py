@@ -72,7 +72,7 @@ def test_a_running_request_takes_slots_from_a_loaded_one_before_preempting_itsel
     fake.end_load(b.request_id)  # b lands, holding 2 of the 2 slots a will need
     run_until(s, lambda: a.is_finished, limit=20)
     assert s.preemption.num_preemptions == 1  # b gave its slots up, not a its work
-    assert not b.slots and b in s.waiting
+    assert not b.slots and b in s.queues.waiting
 
     def settle() -> bool:
         for rid in list(fake.loads):
@@ -136,4 +136,4 @@ def finish_all(
     for rid in list(fake.loads):  # a finished request's load still in flight ends
         fake.end_load(rid)
     run_step(s)
-    assert not s.requests and s.kv.num_free == s.kv.num_slots
+    assert not s.queues.requests and s.kv.num_free == s.kv.num_slots
