@@ -21,7 +21,7 @@ from services.prefill.prefiller import PrefillMetrics
 from shared.engine.request import CacheHit
 from shared.engine.snapshot import EngineSnapshot
 from shared.kvstore.connector_metrics import ConnectorMetrics
-from shared.serving.worker import WorkerMetrics
+from shared.serving.worker_metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "baton-dashboard.json"
 MODEL = "tiny-llama"

@@ -12,7 +12,7 @@ from services.decode.settings import DecodeSettings
 from shared.config import BatonSettings
 from shared.serving.errors import error_response
 from shared.serving.protocol import DecodeRequest, FirstToken, PrefillRequest
-from shared.serving.worker import bind_request_id, create_worker_app, stream_events
+from shared.serving.worker_app import bind_request_id, create_worker_app, stream_events
 
 
 def decode_routes(app: FastAPI, decoder: Decoder) -> None:

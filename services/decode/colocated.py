@@ -16,7 +16,8 @@ from services.decode.settings import DecodeSettings
 from shared.config import BatonSettings
 from shared.errors import InvalidRequestError
 from shared.serving.protocol import Accepted, PrefillRequest
-from shared.serving.worker import TokenStream, Worker
+from shared.serving.token_stream import TokenStream
+from shared.serving.worker import Worker
 
 log = logging.getLogger(__name__)
 

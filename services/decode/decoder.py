@@ -36,7 +36,9 @@ from shared.kvstore.connector import KVStoreConnector
 from shared.serving.errors import ServiceError
 from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import Accepted, DecodeRequest, MigrateEvent, WireToken
-from shared.serving.worker import TokenStream, Worker, WorkerMetrics
+from shared.serving.token_stream import TokenStream
+from shared.serving.worker import Worker
+from shared.serving.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

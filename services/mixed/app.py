@@ -9,7 +9,7 @@ from services.mixed.settings import MixedSettings
 from services.mixed.worker import Mixed
 from services.prefill.app import prefill_routes
 from shared.config import BatonSettings
-from shared.serving.worker import create_worker_app
+from shared.serving.worker_app import create_worker_app
 
 
 def _routes(app: FastAPI, worker: Mixed) -> None:

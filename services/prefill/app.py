@@ -9,7 +9,7 @@ from services.prefill.prefiller import Prefiller
 from services.prefill.settings import PrefillSettings
 from shared.config import BatonSettings
 from shared.serving.protocol import PrefillRequest
-from shared.serving.worker import bind_request_id, create_worker_app, stream_events
+from shared.serving.worker_app import bind_request_id, create_worker_app, stream_events
 
 
 def prefill_routes(app: FastAPI, prefiller: Prefiller) -> None:

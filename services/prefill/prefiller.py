@@ -35,7 +35,8 @@ from shared.serving.protocol import (
     PrefillRequest,
     WireToken,
 )
-from shared.serving.worker import Worker, WorkerMetrics
+from shared.serving.worker import Worker
+from shared.serving.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

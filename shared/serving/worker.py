@@ -1,7 +1,9 @@
 """What a prefill and a decode instance share: the engine on its thread (with the
 KV-store connector as its KV seam, for the roles that move KV), Redis membership
 with load, the publisher of the local pool's holdings to the prompt index, the KV
-store client, settings, and the HTTP basics.
+store client and settings. Its series are in :mod:`shared.serving.worker_metrics`,
+its HTTP app in :mod:`shared.serving.worker_app`, and a request's token stream in
+:mod:`shared.serving.token_stream`.
 
 Long-lived parts are created once in :meth:`Worker.start` (called from the
 FastAPI lifespan) and torn down in reverse order by :meth:`Worker.stop`.
@@ -13,53 +15,29 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import Any
 
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from shared.cluster.auth import AuthMetrics, ClusterSecret, protect
+from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
 from shared.engine.elastic_threads import ProcStatSource, ThreadGovernor
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import EngineLoop, Output, next_output
+from shared.engine.engine_loop import EngineLoop
 from shared.engine.kv_cache_manager import KVEvents
-from shared.engine.outputs import RequestTimings
-from shared.engine.request import CacheHit, TokenLogprobs
-from shared.engine.snapshot import EngineSnapshot
-from shared.engine.swap import SwapStats
 from shared.hardware import auto_dtype
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.connector import KVStoreConnector
 from shared.kvstore.connector_metrics import ConnectorMetrics
-from shared.logs import request_id_var
-from shared.service import service_app
 from shared.serving.background import Background
-from shared.serving.errors import ServiceError, classify, error_response
-from shared.serving.metrics import (
-    MODEL_LABEL,
-    VLLM_REQUEST_LATENCY_BUCKETS,
-    latency_histogram,
-    vllm_gauge,
-    vllm_histogram,
-)
-from shared.serving.protocol import (
-    REQUEST_ID_HEADER,
-    ErrorEvent,
-    TokenEvent,
-    WaitingEvent,
-    WireToken,
-    encode_event,
-)
+from shared.serving.errors import ServiceError
+from shared.serving.worker_metrics import WorkerMetrics
 from shared.transport import make_transport
 
 log = logging.getLogger(__name__)
@@ -79,139 +57,6 @@ class WorkerSettings(BaseSettings):
 
     def resolved_id(self, role: str) -> str:
         return self.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
-
-
-class WorkerMetrics:
-    """One instance's series: Baton's, and vLLM's for its engine (the ``vllm:*`` ones,
-    labelled with the model's name once it is loaded; see :mod:`shared.serving.metrics`)."""
-
-    def __init__(self, role: str):
-        self.role = role
-        self.model_name = ""  # set by :meth:`bind` once the engine has loaded
-        r = self.registry = CollectorRegistry()
-        self.requests = Gauge(
-            "baton_requests_in_flight", f"Requests in this {role} instance", registry=r
-        )
-        self.kv_usage = Gauge("baton_kv_pool_usage", "Share of KV pool blocks in use", registry=r)
-        self.step_s = latency_histogram(
-            r, "baton_engine_step_seconds", "Duration of one engine step"
-        )
-        self.step_tokens = Counter(
-            "baton_engine_step_tokens", "Tokens computed by engine steps", registry=r
-        )
-        self.swaps = Counter(
-            "baton_kv_swaps",
-            "Preempted requests whose KV went out to host memory or stayed in the KV store "
-            "(tier, when the host space was full), and came back in",
-            ["direction", "tier"],
-            registry=r,
-        )
-        self.swap_bytes = Counter(
-            "baton_kv_swap_bytes", "KV bytes swapped, by direction", ["direction"], registry=r
-        )
-        self.spilled_tokens = Counter(
-            "baton_kv_spill_resumed_tokens",
-            "Generated tokens of preempted requests whose KV was loaded back from the KV "
-            "store (spilled) rather than recomputed",
-            registry=r,
-        )
-        self.recompute_preemptions = Counter(
-            "baton_preemption_recomputes",
-            "Preempted requests that recompute instead of swapping: recomputing measured "
-            "cheaper (cost), or the host swap space was full and nothing spilled to the "
-            "KV store (no_room)",
-            ["reason"],
-            registry=r,
-        )
-        self._swap_seen = SwapStats()
-        self._preemptions_seen = 0
-        self.preemptions = Counter(
-            "baton_preemptions",
-            "Running requests preempted for KV blocks (swapped or recomputed)",
-            registry=r,
-        )
-        self.threads = Gauge(
-            "baton_engine_threads", "Threads the last engine step ran on", registry=r
-        )
-        self.info = Gauge(
-            "baton_instance_info",
-            "This instance (always 1): join on it to split series by role",
-            ["role", "instance_id", MODEL_LABEL],
-            registry=r,
-        )
-        self.vllm_running = vllm_gauge(
-            r, "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
-        self.vllm_waiting = vllm_gauge(
-            r,
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed (queued for KV slots or compute, "
-            "loading KV, or waiting for their first token).",
-        )
-        self.vllm_kv_usage = vllm_gauge(
-            r, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        )
-        self.vllm_queue_time = vllm_histogram(
-            r,
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            VLLM_REQUEST_LATENCY_BUCKETS,
-        )
-        self.vllm_prefill_time = vllm_histogram(
-            r,
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            VLLM_REQUEST_LATENCY_BUCKETS,
-        )
-
-    def bind(self, model_name: str, instance_id: str) -> None:
-        """The engine has loaded ``model_name``: vLLM's series carry it (at 0 from now)."""
-        self.model_name = model_name
-        self.info.labels(self.role, instance_id, model_name).set(1)
-        for family in (self.vllm_running, self.vllm_waiting, self.vllm_kv_usage):
-            family.labels(model_name)
-        self.vllm_queue_time.labels(model_name)
-        self.vllm_prefill_time.labels(model_name)
-
-    def observe_step(self, seconds: float, tokens: int) -> None:
-        self.step_s.observe(seconds)
-        self.step_tokens.inc(tokens)
-
-    def observe_engine(self, snap: EngineSnapshot, in_flight: int) -> None:
-        """The gauges, from the engine's latest snapshot."""
-        self.requests.set(in_flight)
-        self.kv_usage.set(snap.usage)
-        m = self.model_name
-        self.vllm_running.labels(m).set(snap.running)
-        self.vllm_waiting.labels(m).set(snap.waiting + snap.loading + snap.parked)
-        self.vllm_kv_usage.labels(m).set(snap.usage)
-        self._observe_swaps(snap.swap)
-        self.preemptions.inc(snap.preemptions - self._preemptions_seen)
-        self._preemptions_seen = snap.preemptions
-
-    def _observe_swaps(self, now: SwapStats) -> None:
-        seen, self._swap_seen = self._swap_seen, now
-        self.swaps.labels("out", "host").inc(now.swaps_out - seen.swaps_out)
-        self.swaps.labels("in", "host").inc(now.swaps_in - seen.swaps_in)
-        self.swaps.labels("out", "store").inc(now.spills_out - seen.spills_out)
-        self.swaps.labels("in", "store").inc(now.spills_in - seen.spills_in)
-        self.spilled_tokens.inc(now.spilled_tokens_in - seen.spilled_tokens_in)
-        self.swap_bytes.labels("out").inc(now.bytes_out - seen.bytes_out)
-        self.swap_bytes.labels("in").inc(now.bytes_in - seen.bytes_in)
-        self.recompute_preemptions.labels("cost").inc(now.recomputes - seen.recomputes)
-        self.recompute_preemptions.labels("no_room").inc(
-            now.recomputes_no_room - seen.recomputes_no_room
-        )
-
-    def observe_prompt_phases(self, queue_s: float, prefill_s: float) -> None:
-        """A prompt computed here: arrival to its first step, first step to first token."""
-        self.vllm_queue_time.labels(self.model_name).observe(queue_s)
-        self.vllm_prefill_time.labels(self.model_name).observe(prefill_s)
-
-    def render(self, refresh: Callable[[], None] | None = None) -> bytes:
-        if refresh is not None:
-            refresh()
-        return generate_latest(self.registry)
 
 
 class Worker:
@@ -254,6 +99,11 @@ class Worker:
         if self._loop is None:
             raise RuntimeError("the worker has not started")
         return self._loop
+
+    @property
+    def serving(self) -> bool:
+        """Its engine loop runs and it takes new requests (it is not draining)."""
+        return self._loop is not None and self._loop.alive and not self.draining
 
     @property
     def engine(self) -> Engine:
@@ -456,119 +306,3 @@ class Worker:
             "running": float(snap.running),
             "requests": float(len(snap.requests)),
         }
-
-
-@dataclass
-class TokenStream:
-    """Turns a request's engine outputs into ``token`` events; remembers how it ended."""
-
-    generated: int = 0
-    finish_reason: str | None = None
-    timings: RequestTimings | None = None  # the engine's, once finished
-    cache_hit: CacheHit | None = None  # prompt tokens not computed here (first output)
-
-    async def events(
-        self, outputs: asyncio.Queue[Output], steps: Callable[[], int] | None = None
-    ) -> AsyncIterator[TokenEvent | WaitingEvent]:
-        """Raises :class:`~shared.engine.engine_loop.StreamInterrupted` when the loop
-        interrupted the request. With ``steps`` (the engine's step count), a request
-        that gets no token for :data:`WAITING_EVENT_S` while the engine keeps stepping
-        (queued, or preempted) yields a ``waiting`` event; a stuck engine yields none."""
-        seen = steps() if steps is not None else 0
-        while self.finish_reason is None:
-            if steps is None:
-                out = await next_output(outputs)
-            else:
-                try:
-                    out = await asyncio.wait_for(next_output(outputs), WAITING_EVENT_S)
-                except TimeoutError:
-                    now = steps()
-                    if now > seen:
-                        seen = now
-                        yield WaitingEvent(steps=now)
-                    continue
-            self.generated = out.num_output_tokens
-            if self.cache_hit is None:
-                self.cache_hit = out.cache_hit
-            lps: list[TokenLogprobs | None] = list(out.new_logprobs)
-            lps += [None] * (len(out.new_token_ids) - len(lps))
-            for i, (tid, lp) in enumerate(zip(out.new_token_ids, lps, strict=True)):
-                last = out.finished and i == len(out.new_token_ids) - 1
-                reason = out.finish_reason if last else None
-                yield TokenEvent(
-                    token=WireToken.of(tid, lp),
-                    finish_reason=reason.value if reason is not None else None,
-                )
-            if out.finished:
-                self.finish_reason = out.finish_reason.value if out.finish_reason else "abort"
-                self.timings = out.timings
-
-
-def bind_request_id(request: Request) -> str | None:
-    """Log lines of this request's task carry the gateway's request id."""
-    rid = request.headers.get(REQUEST_ID_HEADER)
-    request_id_var.set(rid)
-    return rid
-
-
-async def stream_events(events: AsyncGenerator[BaseModel, None]) -> Response:
-    """An NDJSON response of ``events``. An error before the first event is a plain HTTP
-    error (status + body); later errors end the stream with an ``error`` event. Closing
-    the response early (the gateway went away) closes ``events``, whose cleanup runs."""
-    try:
-        first = await anext(events)
-    except Exception as exc:
-        return error_response(exc)
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            yield encode_event(first)
-            async for event in events:
-                yield encode_event(event)
-        except Exception as exc:
-            err = classify(exc)
-            yield encode_event(ErrorEvent(code=err.code or "error", message=str(err)))
-        finally:
-            await events.aclose()
-
-    return StreamingResponse(body(), media_type="application/x-ndjson")
-
-
-W = TypeVar("W", bound=Worker)
-# a decode stream silent this long while its engine steps says it is waiting (well under
-# the gateway's progress timeout)
-WAITING_EVENT_S = 5.0
-
-
-def create_worker_app(worker: W, title: str, routes: Callable[[FastAPI, W], None]) -> FastAPI:
-    """The FastAPI app of a worker: /health /ready /stats /metrics, then ``routes``."""
-
-    async def build() -> W:
-        return worker
-
-    app = service_app(title, build)
-    secret = ClusterSecret(worker.cluster.secret)
-    secret.warn_if_open(title)
-    protect(app, secret, AuthMetrics(worker.metrics.registry))
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        up = worker._loop is not None and worker.loop.alive and not worker.draining
-        redis_ok = worker.heartbeat is not None and worker.heartbeat.healthy
-        status = "ready" if up and redis_ok else ("degraded" if up else "starting")
-        if worker.draining:
-            status = "draining"
-        body = {"status": status, "redis": redis_ok, "instance_id": worker.instance_id}
-        return JSONResponse(body, status_code=200 if up else 503)
-
-    @app.get("/stats")
-    async def stats() -> dict[str, float]:
-        return worker.stats()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body = worker.metrics.render(worker.refresh_gauges)
-        return Response(body, media_type="text/plain; version=0.0.4")
-
-    routes(app, worker)
-    return app

@@ -9,13 +9,13 @@ import time
 import pytest
 
 from shared.engine.engine_loop import Output
-from shared.serving import worker
+from shared.serving import token_stream
 from shared.serving.protocol import WaitingEvent
-from shared.serving.worker import TokenStream
+from shared.serving.token_stream import TokenStream
 
 
 def test_waiting_events_follow_engine_steps_not_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker, "WAITING_EVENT_S", 0.02)
+    monkeypatch.setattr(token_stream, "WAITING_EVENT_S", 0.02)
     steps = [0]
 
     async def run() -> list[object]:
