@@ -33,7 +33,7 @@ from shared.bench.runner import Target, run_open_loop
 from shared.capacity.command import default_profile_path
 from shared.capacity.plan import evaluate, load_workload
 from shared.capacity.profile import load
-from shared.capacity.simulator import Deployment
+from shared.capacity.sim_types import Deployment
 
 
 def measure_split(

@@ -273,12 +273,16 @@ class LocalCluster:
 
     def pids(self, roles: Collection[str]) -> list[int]:
         """Process ids of the running services of ``roles`` (``"redis"`` for Redis)."""
-        procs = [
-            self.procs[s.name].proc for s in self.specs if s.role in roles and s.name in self.procs
-        ]
-        if "redis" in roles:
-            procs.append(self.redis.proc)
-        return [p.pid for p in procs if p is not None and p.poll() is None]
+        pids = [self.pid_of(s) for s in self.specs if s.role in roles]
+        if "redis" in roles and self.redis.proc is not None and self.redis.proc.poll() is None:
+            pids.append(self.redis.proc.pid)
+        return [p for p in pids if p is not None]
+
+    def pid_of(self, spec: ServiceSpec) -> int | None:
+        """The process id of one service while it runs."""
+        service = self.procs.get(spec.name)
+        proc = service.proc if service is not None else None
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     def add(self, spec: ServiceSpec, timeout_s: float = 180.0) -> ServiceProcess:
         """Start one more service (a new replica) into the running cluster."""

@@ -25,7 +25,8 @@ from pathlib import Path
 from shared.bench import prefix_trace
 from shared.bench.workload import TraceFormatError, load_trace
 from shared.capacity.profile import Profile
-from shared.capacity.simulator import Deployment, SimRequest, SimResult, simulate
+from shared.capacity.sim_types import Deployment, SimRequest, SimResult
+from shared.capacity.simulator import simulate
 
 
 @dataclass(frozen=True)

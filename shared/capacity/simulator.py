@@ -54,55 +54,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.capacity.profile import Profile, SideCpu
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    arrival_s: float
-    input_len: int
-    output_len: int
-    block_ids: tuple[int, ...] = ()  # prefix-hash ids (chained), one per block_tokens
-    block_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Deployment:
-    prefill: int
-    decode: int
-    threads: int = 1  # per instance
-    max_batched_tokens: int = 2048
-    max_seqs: int = 64
-
-    @property
-    def threads_total(self) -> int:
-        return (self.prefill + self.decode) * self.threads
-
-    def describe(self) -> str:
-        return (
-            f"{self.prefill}P:{self.decode}D, {self.threads} thread(s) each, "
-            f"batch <= {self.max_seqs} seqs / {self.max_batched_tokens} tokens"
-        )
-
-
-@dataclass(frozen=True)
-class RequestOutcome:
-    ttft_s: float
-    tpot_s: float
-    finished_s: float
-
-    def meets(self, slo_ttft: float, slo_tpot: float) -> bool:
-        return self.ttft_s <= slo_ttft and self.tpot_s <= slo_tpot
-
-
-@dataclass(frozen=True)
-class SimResult:
-    deployment: Deployment
-    outcomes: tuple[RequestOutcome, ...]
-    duration_s: float
-
-    def goodput(self, slo_ttft: float, slo_tpot: float) -> float:
-        met = sum(o.meets(slo_ttft, slo_tpot) for o in self.outcomes)
-        return met / self.duration_s if self.duration_s > 0 else 0.0
+from shared.capacity.sim_types import (
+    Deployment,
+    InstanceStats,
+    RequestOutcome,
+    SimRequest,
+    SimResult,
+)
 
 
 @dataclass
@@ -117,11 +75,29 @@ class _Req:
 
 @dataclass
 class _Instance:
+    role: str
     threads: int
     queue: deque[_Req] = field(default_factory=deque)
     running: list[_Req] = field(default_factory=list)
     busy: bool = False
     queued_tokens: int = 0
+    steps: int = 0
+    work_s: float = 0.0
+    busy_s: float = 0.0
+    step_began: float = 0.0
+
+    def begin_step(self, now: float, work_s: float) -> None:
+        self.busy = True
+        self.step_began = now
+        self.steps += 1
+        self.work_s += work_s
+
+    def end_step(self, now: float) -> None:
+        self.busy = False
+        self.busy_s += now - self.step_began
+
+    def stats(self) -> InstanceStats:
+        return InstanceStats(self.role, self.steps, self.work_s, self.busy_s)
 
 
 class _Clock:
@@ -232,8 +208,8 @@ def simulate(
         raise ValueError("a deployment needs a prefill and a decode instance and a core")
     clock = _Clock()
     t = deployment.threads
-    prefills = [_Instance(t) for _ in range(deployment.prefill)]
-    decodes = [_Instance(t) for _ in range(deployment.decode)]
+    prefills = [_Instance("prefill", t) for _ in range(deployment.prefill)]
+    decodes = [_Instance("decode", t) for _ in range(deployment.decode)]
     cpu = _Cpu(cores, clock)
     sides = [_Side(cpu, profile.overhead.cluster), _Side(cpu, profile.overhead.workers)]
     if client_on_host:
@@ -276,11 +252,11 @@ def simulate(
             load += req.load_bytes
             req.load_bytes = 0
         seconds = compute_s + load / profile.transfer_bytes_s
-        inst.busy = True
+        inst.begin_step(clock.now, seconds)
         cpu.start(inst.threads, seconds, lambda: end_prefill(inst, batch))
 
     def end_prefill(inst: _Instance, batch: list[tuple[_Req, int]]) -> None:
-        inst.busy = False
+        inst.end_step(clock.now)
         for req, took in batch:
             req.to_compute -= took
             inst.queued_tokens -= took
@@ -327,11 +303,11 @@ def simulate(
         context = sum(r.spec.input_len + r.generated for r in dec.running)
         seconds = profile.decode_seconds(len(dec.running), context, dec.threads)
         seconds += profile.overhead.decode_step_s(len(dec.running))
-        dec.busy = True
+        dec.begin_step(clock.now, seconds)
         cpu.start(dec.threads, seconds, lambda: end_decode(dec))
 
     def end_decode(dec: _Instance) -> None:
-        dec.busy = False
+        dec.end_step(clock.now)
         charge(0, 0, len(dec.running))
         still = []
         for req in dec.running:
@@ -354,4 +330,5 @@ def simulate(
     ordered = tuple(outcomes[i] for i in range(len(requests)))
     start = min((r.arrival_s for r in requests), default=0.0)
     end = max((o.finished_s for o in ordered), default=start)
-    return SimResult(deployment, ordered, end - start)
+    instances = tuple(inst.stats() for inst in [*prefills, *decodes])
+    return SimResult(deployment, ordered, end - start, instances)

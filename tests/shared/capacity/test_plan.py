@@ -8,7 +8,7 @@ import pytest
 
 from shared.bench.workload import TraceFormatError
 from shared.capacity.plan import candidates, evaluate, load_workload, table
-from shared.capacity.simulator import SimRequest
+from shared.capacity.sim_types import SimRequest
 from tests.shared.capacity.fake_profile import linear_profile
 
 

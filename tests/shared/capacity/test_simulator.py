@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from shared.capacity.profile import PrefillPoint, ServiceOverhead, SideCpu
-from shared.capacity.simulator import Deployment, SimRequest, simulate
+from shared.capacity.sim_types import Deployment, SimRequest
+from shared.capacity.simulator import simulate
 from tests.shared.capacity.fake_profile import linear_profile
 
 ONE = Deployment(prefill=1, decode=1)
@@ -118,3 +119,21 @@ def test_decode_batches_cap_at_max_seqs_and_goodput_counts_slo_met() -> None:
 def test_a_deployment_needs_both_roles() -> None:
     with pytest.raises(ValueError):
         simulate([SimRequest(0.0, 8, 2)], Deployment(0, 1), linear_profile(), cores=1)
+
+
+def test_instance_stats_count_each_engines_steps_work_and_share_of_a_core() -> None:
+    """Alone on two cores each engine gets a whole core; a prefill and a decode engine
+    busy together on one core get half of it each while both step."""
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    alone = simulate([SimRequest(0.0, 512, 11)], ONE, p, cores=2)
+    pre, dec = alone.instances
+    assert (pre.role, pre.steps, dec.role, dec.steps) == ("prefill", 1, "decode", 10)
+    assert pre.work_s == pytest.approx(0.512) and pre.share == pytest.approx(1.0)
+    assert dec.work_s == pytest.approx(0.1) and dec.share == pytest.approx(1.0)
+    # the second prompt's prefill overlaps the first one's decode on one core
+    shared = simulate([SimRequest(0.0, 100, 201), SimRequest(0.0, 1000, 2)], ONE, p, cores=1)
+    pre, dec = shared.instances
+    # 200 steps of 10 ms (the second request's one decode step joins one of them)
+    assert pre.work_s == pytest.approx(1.1) and dec.work_s == pytest.approx(2.0)
+    assert 0.5 <= pre.share < 1.0 and 0.5 <= dec.share < 1.0
+    assert pre.busy_s + dec.busy_s > shared.duration_s  # they overlapped
