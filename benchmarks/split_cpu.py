@@ -6,8 +6,11 @@ equal share. This serves a trace on a local cluster (one thread per instance, as
 ``plan_check`` runs it) and reads, for every prefill and decode instance, the steps
 its engine took and their wall time (its ``baton_engine_step_seconds`` series) and
 the CPU of its ``baton-engine`` thread. CPU over wall time is the share of a core
-the engine got while it stepped. Beside each instance, the simulation's figures for
-the same trace, split and profile (:class:`~shared.capacity.sim_types.InstanceStats`).
+the engine got while it stepped. Then the CPU of what runs beside the engines: the
+gateway, the KV store and Redis (``cluster``), the workers' other threads
+(``workers``), and this process, the load generator (``client``). Beside each, the
+simulation's figures for the same trace, split and profile
+(:class:`~shared.capacity.sim_types.InstanceStats`, ``SideStats``).
 
     python -m benchmarks.split_cpu \\
         --trace ../shared/workloads/azure-2023/AzureLLMInferenceTrace_conv.csv \\
@@ -21,6 +24,7 @@ import asyncio
 import json
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +39,7 @@ from shared.bench.runner import Target, run_open_loop
 from shared.capacity.command import default_profile_path
 from shared.capacity.plan import load_workload
 from shared.capacity.profile import load
-from shared.capacity.sim_types import Deployment, InstanceStats
+from shared.capacity.sim_types import Deployment, InstanceStats, SideStats
 from shared.capacity.simulator import simulate
 from shared.engine.engine_loop import ENGINE_THREAD
 from shared.launcher import LocalCluster, ServiceSpec, Topology
@@ -49,6 +53,7 @@ class Counters:
     steps: float
     step_s: float  # wall seconds of those steps
     engine_cpu_s: float  # CPU seconds of its engine thread
+    other_cpu_s: float  # CPU seconds of its other threads
 
     def since(self, before: Counters, role: str) -> InstanceStats:
         return InstanceStats(
@@ -68,17 +73,27 @@ def read_counters(client: httpx.Client, spec: ServiceSpec, pid: int) -> Counters
             raise RuntimeError(f"{spec.name} exports no {name}")
         return float(m.group(1))
 
-    engine = cpu_seconds(pid) - cpu_seconds(pid, except_thread=ENGINE_THREAD)
+    other = cpu_seconds(pid, except_thread=ENGINE_THREAD)
     return Counters(
-        value("baton_engine_step_seconds_count"), value("baton_engine_step_seconds_sum"), engine
+        value("baton_engine_step_seconds_count"),
+        value("baton_engine_step_seconds_sum"),
+        cpu_seconds(pid) - other,
+        other,
     )
 
 
-def measure(
-    split: Deployment, specs: list[wl.RequestSpec], slo: SLO, transport: str
-) -> tuple[list[InstanceStats], dict[str, float]]:
-    """Serve ``specs`` on a local ``split`` (one thread per instance); each worker's
-    engine figures over the run, prefill instances first, and the run's summary."""
+@dataclass(frozen=True)
+class Measured:
+    """A split serving the trace: the run's summary, each engine, and the side CPU."""
+
+    summary: dict[str, float]
+    instances: list[InstanceStats]
+    sides: list[SideStats]
+
+
+def measure(split: Deployment, specs: list[wl.RequestSpec], slo: SLO, transport: str) -> Measured:
+    """Serve ``specs`` on a local ``split`` (one thread per instance), prefill
+    instances first."""
     picker = PortPicker()
 
     def topology(redis_url: str) -> Topology:
@@ -97,6 +112,7 @@ def measure(
         try:
             workers = [s for r in ("prefill", "decode") for s in cluster.specs if s.role == r]
             pids = {s.name: cluster.pid_of(s) for s in workers}
+            side_pids = cluster.pids({"gateway", "kvstore", "redis"})
             with httpx.Client(timeout=10.0) as client:
 
                 def snapshot() -> dict[str, Counters]:
@@ -108,10 +124,11 @@ def measure(
                         out[s.name] = read_counters(client, s, pid)
                     return out
 
-                before = snapshot()
+                before, cluster0, client0 = snapshot(), _cpu(side_pids), time.process_time()
                 target = Target(cluster.gateway_url, MODEL)
                 results, duration = asyncio.run(run_open_loop(target, specs, _quiet))
-                after = snapshot()
+                client_cpu = time.process_time() - client0
+                after, cluster_cpu = snapshot(), _cpu(side_pids) - cluster0
         finally:
             cluster.stop()
     s = summarize(results, duration, slo)
@@ -122,7 +139,20 @@ def measure(
         "duration_s": duration,
         "failed": float(s.failed),
     }
-    return [after[w.name].since(before[w.name], w.role) for w in workers], summary
+    others = sum(after[w.name].other_cpu_s - before[w.name].other_cpu_s for w in workers)
+    return Measured(
+        summary,
+        [after[w.name].since(before[w.name], w.role) for w in workers],
+        [
+            SideStats("cluster", cluster_cpu),
+            SideStats("workers", others),
+            SideStats("client", client_cpu),
+        ],
+    )
+
+
+def _cpu(pids: Sequence[int]) -> float:
+    return sum(cpu_seconds(p) for p in pids)
 
 
 def _quiet() -> None:
@@ -166,21 +196,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         p, d = (int(x) for x in text.split(":"))
         split = Deployment(p, d, threads=1)
         sim = simulate(sim_requests, split, profile, args.cores, client_on_host=True)
-        measured, summary = measure(split, specs, slo, args.transport)
+        got = measure(split, specs, slo, args.transport)
         print(
-            f"{p}P:{d}D  goodput {summary['goodput']:.3f} measured, "
+            f"{p}P:{d}D  goodput {got.summary['goodput']:.3f} measured, "
             f"{sim.goodput(args.slo_ttft, args.slo_tpot):.3f} simulated; "
-            f"run {summary['duration_s']:.1f} s measured, {sim.duration_s:.1f} s simulated"
+            f"run {got.summary['duration_s']:.1f} s measured, {sim.duration_s:.1f} s simulated"
         )
-        for m, s in zip(measured, sim.instances, strict=True):
+        for m, s in zip(got.instances, sim.instances, strict=True):
             print(_line("measured", m))
             print(_line("simulated", s))
+        charged = {side.name: side.cpu_s for side in sim.sides}
+        for side in got.sides:
+            print(
+                f"  beside the engines: {side.name:<8} CPU {side.cpu_s:5.1f} s measured, "
+                f"{charged.get(side.name, 0.0):5.1f} s simulated"
+            )
         rows.append(
             {
                 "split": f"{p}P:{d}D",
-                **summary,
-                "measured": [asdict(m) for m in measured],
+                **got.summary,
+                "measured": [asdict(m) for m in got.instances],
                 "simulated": [asdict(s) for s in sim.instances],
+                "sides_measured": [asdict(s) for s in got.sides],
+                "sides_simulated": [asdict(s) for s in sim.sides],
             }
         )
     (args.out / "split_cpu.json").write_text(json.dumps(rows, indent=1))

@@ -61,11 +61,22 @@ class InstanceStats:
 
 
 @dataclass(frozen=True)
+class SideStats:
+    """CPU a process beside the engines was charged in the simulation: ``cluster`` (the
+    gateway, the KV store and Redis), ``workers`` (the workers' threads beside their
+    engine's) or ``client`` (the load generator, when it shares the cores)."""
+
+    name: str
+    cpu_s: float
+
+
+@dataclass(frozen=True)
 class SimResult:
     deployment: Deployment
     outcomes: tuple[RequestOutcome, ...]
     duration_s: float
     instances: tuple[InstanceStats, ...] = ()  # prefill instances first
+    sides: tuple[SideStats, ...] = ()
 
     def goodput(self, slo_ttft: float, slo_tpot: float) -> float:
         met = sum(o.meets(slo_ttft, slo_tpot) for o in self.outcomes)

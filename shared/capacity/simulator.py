@@ -58,6 +58,7 @@ from shared.capacity.sim_types import (
     Deployment,
     InstanceStats,
     RequestOutcome,
+    SideStats,
     SimRequest,
     SimResult,
 )
@@ -172,14 +173,18 @@ class _Side:
     """A process beside the engines (the gateway and the KV store, or a load generator):
     one thread working off the CPU that serving hands it, on the shared cores."""
 
-    def __init__(self, cpu: _Cpu, cost: SideCpu):
+    def __init__(self, name: str, cpu: _Cpu, cost: SideCpu):
+        self.name = name
         self.cpu = cpu
         self.cost = cost
         self.backlog_s = 0.0
+        self.charged_s = 0.0
         self.busy = False
 
     def charge(self, requests: int, prompt_tokens: int, output_tokens: int) -> None:
-        self.backlog_s += self.cost.seconds(requests, prompt_tokens, output_tokens)
+        work = self.cost.seconds(requests, prompt_tokens, output_tokens)
+        self.backlog_s += work
+        self.charged_s += work
         self._run()
 
     def _run(self) -> None:
@@ -211,9 +216,12 @@ def simulate(
     prefills = [_Instance("prefill", t) for _ in range(deployment.prefill)]
     decodes = [_Instance("decode", t) for _ in range(deployment.decode)]
     cpu = _Cpu(cores, clock)
-    sides = [_Side(cpu, profile.overhead.cluster), _Side(cpu, profile.overhead.workers)]
+    sides = [
+        _Side("cluster", cpu, profile.overhead.cluster),
+        _Side("workers", cpu, profile.overhead.workers),
+    ]
     if client_on_host:
-        sides.append(_Side(cpu, profile.overhead.client))
+        sides.append(_Side("client", cpu, profile.overhead.client))
     stored: set[int] = set()
     outcomes: dict[int, RequestOutcome] = {}
     per_token = profile.kv_bytes_per_token
@@ -331,4 +339,5 @@ def simulate(
     start = min((r.arrival_s for r in requests), default=0.0)
     end = max((o.finished_s for o in ordered), default=start)
     instances = tuple(inst.stats() for inst in [*prefills, *decodes])
-    return SimResult(deployment, ordered, end - start, instances)
+    charged = tuple(SideStats(side.name, side.charged_s) for side in sides)
+    return SimResult(deployment, ordered, end - start, instances, charged)

@@ -137,3 +137,16 @@ def test_instance_stats_count_each_engines_steps_work_and_share_of_a_core() -> N
     assert pre.work_s == pytest.approx(1.1) and dec.work_s == pytest.approx(2.0)
     assert 0.5 <= pre.share < 1.0 and 0.5 <= dec.share < 1.0
     assert pre.busy_s + dec.busy_s > shared.duration_s  # they overlapped
+
+
+def test_side_stats_are_what_serving_charged_each_process_beside_the_engines() -> None:
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    cost = SideCpu(request_s=0.05, prompt_token_s=0.0001, output_token_s=0.005)
+    sided = replace(p, overhead=ServiceOverhead(cluster=cost, client=cost))
+    res = simulate([SimRequest(0.0, 500, 11)], ONE, sided, cores=2, client_on_host=True)
+    charged = {s.name: s.cpu_s for s in res.sides}
+    assert charged["cluster"] == pytest.approx(0.05 + 0.05 + 11 * 0.005)  # all 11 tokens
+    assert charged["client"] == pytest.approx(charged["cluster"])
+    assert charged["workers"] == 0.0
+    remote = simulate([SimRequest(0.0, 500, 11)], ONE, sided, cores=2)
+    assert "client" not in {s.name for s in remote.sides}
