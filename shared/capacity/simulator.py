@@ -18,7 +18,9 @@ What is modelled, per instance:
 - **Handoff**: the decode instance loads the prompt's KV at the profile's
   transfer speed (layer-wise streaming hides most of it; the whole load is
   counted, which errs towards later first decode steps).
-- **Decode** instances (the least loaded gets each request) run continuous
+- **Decode** instances (each request goes to the one with the fewest streams
+  routed to it, those whose KV is still loading included, as the gateway counts
+  its own picks) run continuous
   batches of at most ``max_seqs`` requests; a step lasts the profile's decode
   time for its batch size and summed context, and gives every request in it
   one token.
@@ -72,6 +74,7 @@ class _Req:
     load_bytes: int  # prompt KV loaded from the store instead of computed
     first_token_s: float = 0.0
     generated: int = 0  # tokens so far (the first comes from prefill)
+    decode: _Instance | None = None  # where it streams from
 
 
 @dataclass
@@ -82,6 +85,7 @@ class _Instance:
     running: list[_Req] = field(default_factory=list)
     busy: bool = False
     queued_tokens: int = 0
+    assigned: int = 0  # decode: requests routed here and not finished (loading included)
     steps: int = 0
     work_s: float = 0.0
     busy_s: float = 0.0
@@ -292,7 +296,12 @@ def simulate(
         if req.generated >= req.spec.output_len:
             finish(req)
             return
-        dec = min(decodes, key=lambda d: len(d.running) + len(d.queue))
+        # the least loaded, counting the streams routed there whose KV is still on its
+        # way (as the gateway counts its own picks): prompts that end in one prefill step
+        # are spread, not all sent to the instance that looked emptiest before them
+        dec = min(decodes, key=lambda d: d.assigned)
+        dec.assigned += 1
+        req.decode = dec
         load_s = req.spec.input_len * per_token / profile.transfer_bytes_s
 
         def join() -> None:
@@ -328,6 +337,8 @@ def simulate(
         start_decode(dec)
 
     def finish(req: _Req) -> None:
+        if req.decode is not None:
+            req.decode.assigned -= 1
         spec = req.spec
         tpot = (clock.now - req.first_token_s) / (spec.output_len - 1) if spec.output_len > 1 else 0
         outcomes[req.index] = RequestOutcome(req.first_token_s - spec.arrival_s, tpot, clock.now)

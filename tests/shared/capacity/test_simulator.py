@@ -150,3 +150,16 @@ def test_side_stats_are_what_serving_charged_each_process_beside_the_engines() -
     assert charged["workers"] == 0.0
     remote = simulate([SimRequest(0.0, 500, 11)], ONE, sided, cores=2)
     assert "client" not in {s.name for s in remote.sides}
+
+
+def test_prompts_that_end_in_one_step_are_spread_over_the_decode_instances() -> None:
+    """Their KV is still loading when the next one is routed: the gateway counts its own
+    picks, and so does the simulation, or every one would go to the first instance."""
+    p = linear_profile(transfer_bytes_s=1e6)  # 0.1 s to load a 100-token prompt
+    # a prompt with no decoding keeps the prefill busy while four more queue behind it
+    burst = [SimRequest(0.0, 500, 1)] + [SimRequest(0.0, 100, 21) for _ in range(4)]
+    res = simulate(burst, Deployment(prefill=1, decode=2), p, cores=4)
+    pre, first, second = res.instances
+    assert pre.steps == 2  # the four in one step
+    # two streams each, side by side (one may join a step after the other)
+    assert 20 <= first.steps <= 21 and 20 <= second.steps <= 21
