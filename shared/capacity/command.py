@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from shared.cli import from_settings
+from shared.cli import from_settings, settings_default
 from shared.config import BatonSettings, default_cache_dir
 from shared.errors import InvalidRequestError
 
@@ -32,7 +32,12 @@ def add_parsers(sub: Any) -> None:
         default=None,
         help=f"compute dtype to profile ({from_settings('dtype')})",
     )
-    prof.add_argument("--transport", choices=["tcp", "ucx"], default="tcp", help="KV data plane")
+    prof.add_argument(
+        "--transport",
+        choices=["tcp", "ucx"],
+        default=settings_default("transport"),  # what `baton up` runs: its store CPU is metered
+        help="KV data plane",
+    )
     prof.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
     prof.add_argument(
         "--engine-only",
