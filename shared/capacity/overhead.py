@@ -19,7 +19,13 @@ beside the engines used (the gateway, the KV store and Redis, from ``/proc``;
 this process, the load generator; and the prefill and decode processes' threads
 other than the engine's, which move KV and stream tokens) and fits them, by
 least squares over the groups, as seconds per request, per prompt token and per
-streamed token (:class:`~shared.capacity.profile.SideCpu`). Under load those
+streamed token (:class:`~shared.capacity.profile.SideCpu`). In the batches those
+three grow together (``b`` requests, ``b`` prompts, ``b`` equal streams), so one
+more batch of longer streams is metered for the CPU alone: without it the cost
+per streamed token is what is left once the other two are fitted on the prompts
+sent alone, and their noise, divided by the few tokens of a stream, put the
+store's cost anywhere from 155 to 649 us per token in six profiles of one host
+(413-573 us in three with this batch). Under load those
 threads take cores from the engines, which the latency figures above, taken one
 request at a time, do not show.
 """
@@ -125,9 +131,12 @@ class Points:
     stream_prompt: int = 128
     stream_tokens: int = 64
     alone: int = 6
+    # a batch of longer streams (CPU only; 0 tokens: none)
+    long_streams: int = 8
+    long_stream_tokens: int = 320
 
 
-QUICK = Points(prompt_tokens=(512,), batches=(1, 8), alone=3)
+QUICK = Points(prompt_tokens=(512,), batches=(1, 8), alone=3, long_stream_tokens=192)
 
 
 def measure_overhead(
@@ -200,6 +209,16 @@ def measure_overhead(
                 context = b * (points.stream_prompt + points.stream_tokens // 2)
                 tpots[b] = (context, tpot)
                 progress(f"serving overhead: {b} streams, TPOT {tpot * 1e3:.1f}ms")
+            if points.long_stream_tokens:
+                b, n = points.long_streams, points.long_stream_tokens
+                specs = [
+                    wl.RequestSpec(wl.synthetic_prompt(points.stream_prompt, rng), n)
+                    for _ in range(b)
+                ]
+                meter.restart()
+                _timed(asyncio.run(run_open_loop(target, specs, _quiet))[0])
+                groups.append(meter.group(b, b * points.stream_prompt, b * n))
+                progress(f"serving overhead: {b} streams of {n} tokens (CPU only)")
         finally:
             cluster.stop()
     return replace(

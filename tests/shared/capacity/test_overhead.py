@@ -46,7 +46,13 @@ def test_side_cpu_fit_recovers_the_cost_per_request_prompt_token_and_output_toke
 
 def test_measured_on_a_real_cluster() -> None:
     p = linear_profile(prefill_s_per_token=1e-6, decode_base_s=1e-6, decode_per_seq_s=0.0)
-    points = Points(prompt_tokens=(32,), batches=(1, 2), stream_prompt=16, stream_tokens=6)
+    points = Points(
+        prompt_tokens=(32,),
+        batches=(1, 2),
+        stream_prompt=16,
+        stream_tokens=6,
+        long_stream_tokens=12,
+    )
     o = measure_overhead(p, dtype="float32", points=points)
     # against a near-zero profile, the overhead is the whole service time
     assert 0.0 < o.request_s < 10.0
@@ -55,3 +61,25 @@ def test_measured_on_a_real_cluster() -> None:
     assert o.cluster.seconds(1, 32, 6) > 0.0 and o.client.seconds(1, 32, 6) > 0.0
     # and so did the workers' threads beside their engines (KV in and out, streaming)
     assert o.workers.seconds(1, 32, 6) > 0.0
+
+
+def test_a_batch_of_longer_streams_keeps_prompt_noise_out_of_the_cost_per_token() -> None:
+    """The profile's groups (Points): prompts sent alone, batches whose requests, prompt
+    tokens and streamed tokens grow together, and one batch of longer streams. Two ticks
+    of noise in one prompt group move the fitted cost per streamed token by a sixth
+    without that last batch, and by under 2% with it."""
+    truth = SideCpu(request_s=0.01, prompt_token_s=150e-6, output_token_s=400e-6)
+    alone = [(6, 6 * 256, 12), (6, 6 * 1024, 12)]
+    batches = [(b, b * 128, b * 64) for b in (1, 8, 16)]
+
+    def fitted(shapes: list[tuple[int, int, int]]) -> float:
+        groups = [
+            SideUse(r, p, o, truth.seconds(r, p, o) + (0.02 if i == 0 else 0.0), 0.0)
+            for i, (r, p, o) in enumerate(shapes)
+        ]
+        return fit_side(groups, lambda g: g.cluster_s).output_token_s
+
+    without = fitted(alone + batches)
+    with_long = fitted(alone + batches + [(8, 8 * 128, 8 * 320)])
+    assert abs(without / truth.output_token_s - 1) > 0.15
+    assert with_long == pytest.approx(truth.output_token_s, rel=0.02)
