@@ -45,6 +45,7 @@ from shared.bench import workload as wl
 from shared.bench.metrics import RequestResult, summarize
 from shared.bench.report import RunReport, text_summary
 from shared.bench.runner import Target, run_conversations, run_open_loop
+from shared.bench.scrape import metric_sum
 from shared.launcher import LocalCluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -83,12 +84,6 @@ def cpu_seconds(local: LocalCluster) -> dict[str, float]:
 
 def urls(local: LocalCluster, role: str) -> list[str]:
     return [f"http://127.0.0.1:{s.http_port}" for s in local.specs if s.role == role]
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    key = name + (f"{{{labels}}}" if labels else "")
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == key)
 
 
 def run(
@@ -241,16 +236,18 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     with cluster(args, True, kvstore_gb=args.store_gb) as local:
         gw = local.gateway_url
         before = {
-            o: metric(gw, "baton_router_predictions_total", f'outcome="{o}"')
+            o: metric_sum(gw, "baton_router_predictions_total", f'outcome="{o}"')
             for o in ("exact", "over", "under")
         }
         results, duration = run(local, run_open_loop, specs, lambda: None, None)
         after = {
-            o: metric(gw, "baton_router_predictions_total", f'outcome="{o}"')
+            o: metric_sum(gw, "baton_router_predictions_total", f'outcome="{o}"')
             for o in ("exact", "over", "under")
         }
-        work = [metric(u, "baton_engine_step_tokens_total") for u in urls(local, "prefill")]
-        evictions = sum(metric(u, "baton_kvstore_evictions_total") for u in urls(local, "kvstore"))
+        work = [metric_sum(u, "baton_engine_step_tokens_total") for u in urls(local, "prefill")]
+        evictions = sum(
+            metric_sum(u, "baton_kvstore_evictions_total") for u in urls(local, "kvstore")
+        )
     s = summarize(results, duration)
     print(text_summary(RunReport("prefix trace", args.rate, s, results)))
     predictions = {o: after[o] - before[o] for o in after}

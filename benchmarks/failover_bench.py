@@ -45,6 +45,7 @@ from benchmarks.results import save_json
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench import chaos
 from shared.bench.chaos import ChaosRequest, StreamResult
+from shared.bench.scrape import metric_sum
 from shared.config import BatonSettings, CacheConfig, EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.launcher import LocalCluster
@@ -95,8 +96,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def gateway_resume_gap(url: str) -> dict[str, float]:
-    total = chaos.gateway_counter(url, "baton_resume_gap_seconds_sum")
-    count = chaos.gateway_counter(url, "baton_resume_gap_seconds_count")
+    total = metric_sum(url, "baton_resume_gap_seconds_sum")
+    count = metric_sum(url, "baton_resume_gap_seconds_count")
     return {"count": count, "mean_s": total / count if count else float("nan")}
 
 
@@ -120,9 +121,7 @@ def run_chaos(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             print(f"round {i + 1}: {run.victim} {args.fault}: broken {len(bad)}, "
                   f"worst gap {max(gaps):.3f}s", flush=True)  # fmt: skip
         reason = chaos.FAULT_REASON[args.fault]
-        failovers = chaos.gateway_counter(
-            local.gateway_url, "baton_failovers_total", f'reason="{reason}"'
-        )
+        failovers = metric_sum(local.gateway_url, "baton_failovers_total", f'reason="{reason}"')
         gateway_gap = gateway_resume_gap(local.gateway_url)
     worst = [r["worst_gap_s"] for r in rounds]
     every = [g for r in rounds for g in r["gaps_s"]]
@@ -221,9 +220,7 @@ def run_rolling(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             chaos.under_load(local, MODEL, load_requests(args), args.streams,
                              lambda: chaos.rolling_restart(local, ("prefill", "decode")))
         )  # fmt: skip
-        migrated = chaos.gateway_counter(
-            local.gateway_url, "baton_failovers_total", 'reason="migrated"'
-        )
+        migrated = metric_sum(local.gateway_url, "baton_failovers_total", 'reason="migrated"')
     bad = ref.broken(results)
     print(
         f"rolling restart of 2 prefill and {args.decode} decode instances in "

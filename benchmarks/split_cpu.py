@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from benchmarks.plan_check import add_trace_arguments
 from shared.bench import workload as wl
 from shared.bench.metrics import SLO, summarize
 from shared.bench.runner import Target, run_open_loop
+from shared.bench.scrape import metric_sum
 from shared.capacity.command import default_profile_path
 from shared.capacity.plan import load_workload
 from shared.capacity.profile import load
@@ -65,18 +65,11 @@ class Counters:
 
 
 def read_counters(client: httpx.Client, spec: ServiceSpec, pid: int) -> Counters:
-    body = client.get(f"http://127.0.0.1:{spec.http_port}/metrics").text
-
-    def value(name: str) -> float:
-        m = re.search(rf"^{name} (\S+)$", body, re.MULTILINE)
-        if m is None:
-            raise RuntimeError(f"{spec.name} exports no {name}")
-        return float(m.group(1))
-
+    url = f"http://127.0.0.1:{spec.http_port}"
     other = cpu_seconds(pid, except_thread=ENGINE_THREAD)
     return Counters(
-        value("baton_engine_step_seconds_count"),
-        value("baton_engine_step_seconds_sum"),
+        metric_sum(url, "baton_engine_step_seconds_count", client=client),
+        metric_sum(url, "baton_engine_step_seconds_sum", client=client),
         cpu_seconds(pid) - other,
         other,
     )

@@ -242,17 +242,6 @@ def apply_fault(local: LocalCluster, name: str, fault: Fault) -> Callable[[], No
     return lambda: None
 
 
-def gateway_counter(url: str, name: str, labels: str = "") -> float:
-    """Sum of a gateway metric's samples whose name (and labels) start as given."""
-    key = f"{name}{{{labels}" if labels else name
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(key) and not line.startswith("#")
-    )
-
-
 def broken(results: list[StreamResult], expected: list[list[int]]) -> list[str]:
     """One line per stream that failed or differs from the failure-free tokens."""
     out = []

@@ -19,6 +19,7 @@ import redis
 
 from services.gateway.app import tenant_salt
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
+from shared.bench.scrape import metric_sum
 from shared.cluster.keys import Keys
 from shared.engine.sampling_params import SamplingParams
 from shared.launcher import LocalCluster
@@ -133,15 +134,6 @@ def expect(make_engine: EngineFactory, turns: list[Turn]) -> list[list[int]]:
     return [engine.generate([t.prompt], t.params(MAX_TOKENS))[0].token_ids for t in turns]
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
-
-
 @pytest.fixture(scope="module")
 def caching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     local = start_cluster(
@@ -180,8 +172,8 @@ def test_reuse_across_turns_and_instances_changes_no_token(
             # the previous prompt and the answer decode computed (all but its last token)
             reusable = (len(prev.prompt) + len(prev_answer.tokens) - 1) // BLOCK * BLOCK
             assert answer.cached == reusable, (len(turn.prompt), answer.cached)
-    assert metric(caching.gateway_url, 'baton_router_predictions_total{outcome="exact"}') > 0
-    loaded = sum(metric(u, "baton_kv_loaded_bytes_total") for u in urls(caching, "prefill"))
+    assert metric_sum(caching.gateway_url, 'baton_router_predictions_total{outcome="exact"}') > 0
+    loaded = sum(metric_sum(u, "baton_kv_loaded_bytes_total") for u in urls(caching, "prefill"))
     assert loaded > 0  # some reuse crossed instances through the store
 
 
@@ -198,7 +190,7 @@ def test_store_evictions_and_a_killed_store_node_change_no_token(
     filler = [Turn([rng.randrange(1000, 30000) for _ in range(400)], None) for _ in range(7)]
     replay(caching.gateway_url, filler)
     stores = urls(caching, "kvstore")
-    assert sum(metric(u, "baton_kvstore_evictions_total") for u in stores) > 0
+    assert sum(metric_sum(u, "baton_kvstore_evictions_total") for u in stores) > 0
     assert [a.tokens for a in replay(caching.gateway_url, turns)] == expected
     victim = next(s.name for s in caching.specs if s.role == "kvstore")
     caching.procs[victim].kill()
@@ -239,12 +231,12 @@ def test_a_stale_index_entry_costs_a_recompute_not_a_token(
         r.sadd(prefix.block(key), store)
     r.close()
     stale_before = sum(
-        metric(u, "baton_prefix_cache_stale_total") for u in urls(caching, "prefill")
+        metric_sum(u, "baton_prefix_cache_stale_total") for u in urls(caching, "prefill")
     )
     (answer,) = replay(caching.gateway_url, [turn])
     assert answer.tokens == expect(make_engine, [turn])[0]
     assert answer.cached == 0
-    stale = sum(metric(u, "baton_prefix_cache_stale_total") for u in urls(caching, "prefill"))
+    stale = sum(metric_sum(u, "baton_prefix_cache_stale_total") for u in urls(caching, "prefill"))
     assert stale > stale_before
 
 

@@ -34,7 +34,6 @@ from shared.bench.chaos import (
     Supervised,
     apply_fault,
     broken,
-    gateway_counter,
     kill_instance,
     make_requests,
     redis_outage,
@@ -45,6 +44,7 @@ from shared.bench.chaos import (
     under_load,
     with_fault,
 )
+from shared.bench.scrape import metric_sum
 from shared.engine.engine import Engine
 from shared.launcher import LocalCluster
 from tests.conftest import EngineFactory
@@ -93,10 +93,10 @@ def test_streams_survive_a_decode_instance_failing_mid_stream(
     reqs = requests(6, seed={"kill": 1, "stop": 2, "term": 3}[fault])
     url = chaos.local.gateway_url
     labels = f'reason="{FAULT_REASON[fault]}"'
-    before = gateway_counter(url, "baton_failovers_total", labels)
+    before = metric_sum(url, "baton_failovers_total", labels)
     got = run_with_fault(chaos.local, reqs, fault)
     assert broken(got, reference(engine, reqs)) == []
-    assert gateway_counter(url, "baton_failovers_total", labels) > before
+    assert metric_sum(url, "baton_failovers_total", labels) > before
 
 
 def load(
@@ -113,14 +113,14 @@ def test_rolling_restart_of_every_instance_breaks_no_stream(
 ) -> None:
     settle(chaos.local)
     local = chaos.local
-    before = gateway_counter(local.gateway_url, "baton_failovers_total", 'reason="migrated"')
+    before = metric_sum(local.gateway_url, "baton_failovers_total", 'reason="migrated"')
 
     got, reqs = load(
         chaos, seed=11, concurrency=4, during=lambda: rolling_restart(local, ("prefill", "decode"))
     )
     assert len(got) >= 4
     assert broken(got, reference(engine, reqs)) == []
-    assert gateway_counter(local.gateway_url, "baton_failovers_total", 'reason="migrated"') > before
+    assert metric_sum(local.gateway_url, "baton_failovers_total", 'reason="migrated"') > before
 
 
 def test_killing_one_of_two_store_nodes_fails_no_request(chaos: Supervised, engine: Engine) -> None:

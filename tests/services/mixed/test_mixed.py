@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from shared.bench.scrape import metric_sum
 from shared.engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
 from tests.services.conftest import completion_token_ids, serving_reference, start_cluster
@@ -21,11 +22,6 @@ SEEDS = [None, 7, None, 11]
 
 async def complete(url: str, prompts: list[list[int]], seeds: list[int | None]) -> list[list[int]]:
     return await completion_token_ids(url, prompts, seeds, max_tokens=12, temperature=0.8)
-
-
-def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_a_mixed_pool_serves_the_same_tokens_and_covers_a_missing_role(
@@ -43,9 +39,9 @@ def test_a_mixed_pool_serves_the_same_tokens_and_covers_a_missing_role(
         assert httpx.get(url + "/ready", timeout=5).status_code == 200  # prefill-0 stands in
         prefill = next(s for s in local.specs if s.name == "prefill-0")
         base = f"http://127.0.0.1:{prefill.http_port}"
-        decoded_before = metric(base, "baton_decode_join_wait_seconds_count")
+        decoded_before = metric_sum(base, "baton_decode_join_wait_seconds_count")
         alone = asyncio.run(complete(url, PROMPTS[:3], SEEDS[:3]))
-        assert metric(base, "baton_decode_join_wait_seconds_count") == decoded_before + 3
+        assert metric_sum(base, "baton_decode_join_wait_seconds_count") == decoded_before + 3
         stats = httpx.get(base + "/stats", timeout=5).json()
         assert stats["mixed"] == 1.0 and stats["serving_decode"] == 0.0  # all finished
     finally:
