@@ -20,13 +20,15 @@ from shared.hardware import auto_dtype
 DType = Literal["float32", "bfloat16", "float16"]
 # auto: bfloat16 where the hardware computes it natively, else float32 (shared.hardware)
 DTypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
-# decode attention: the native C kernel (CPU), pure torch, or native where it builds
-AttentionBackend = Literal["auto", "native", "torch"]
-# weight GEMMs: the native fp32 kernel (CPU), oneDNN on prepacked weights (CPU),
-# F.linear, or the best of these that runs here
-LinearBackend = Literal["auto", "native", "onednn", "torch"]
-# RMSNorm, RoPE, SwiGLU's activation: native C kernels (CPU), torch, or native where they build
-PointwiseBackend = Literal["auto", "native", "torch"]
+# attention: the native C kernels (CPU), the Triton kernel (CUDA), pure torch, or the
+# first of native / Triton that runs here
+AttentionBackend = Literal["auto", "native", "triton", "torch"]
+# weight GEMMs: the native fp32 kernel (CPU), oneDNN on prepacked weights (CPU), the
+# batch-invariant Triton GEMM (CUDA), F.linear, or the best of these that runs here
+LinearBackend = Literal["auto", "native", "onednn", "triton", "torch"]
+# RMSNorm, RoPE, SwiGLU's activation: native C kernels (CPU), Triton RMSNorm with torch
+# for the rest (CUDA), torch, or the first of native / Triton that runs here
+PointwiseBackend = Literal["auto", "native", "triton", "torch"]
 # the KV pool on 2 MB pages the host reserved: when free (auto), required (on), never (off)
 HugePages = Literal["auto", "on", "off"]
 

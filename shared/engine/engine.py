@@ -92,7 +92,12 @@ class Engine:
             swapper=self.swapper,
         )
         attention = select_attention(
-            config.attention, loaded.model.dtype, arch.head_dim, config.device, config.kernel_dir
+            config.attention,
+            loaded.model.dtype,
+            arch.head_dim,
+            config.device,
+            config.kernel_dir,
+            block_size=config.cache.block_size,
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)

@@ -20,9 +20,19 @@ class AttentionImpl:
 
 
 def select_attention(
-    backend: AttentionBackend, dtype: torch.dtype, head_dim: int, device: str, kernel_dir: Path
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    head_dim: int,
+    device: str,
+    kernel_dir: Path,
+    *,
+    block_size: int = 16,
 ) -> AttentionImpl:
     return AttentionImpl(
-        decode=select_decode_attention(backend, dtype, device, kernel_dir),
-        prefill=select_prefill_attention(backend, dtype, head_dim, device, kernel_dir),
+        decode=select_decode_attention(
+            backend, dtype, device, kernel_dir, head_dim=head_dim, block_size=block_size
+        ),
+        prefill=select_prefill_attention(
+            backend, dtype, head_dim, device, kernel_dir, block_size=block_size
+        ),
     )

@@ -1,9 +1,12 @@
 """Decode attention: one new token per sequence against its paged K/V.
 
-Two implementations of one boundary. :class:`NativeDecode` runs the C kernel
+Three implementations of one boundary. :class:`NativeDecode` runs the C kernel
 of :mod:`shared.kernels.paged_decode`, which reads K and V in place through
-the block tables. :class:`GatherDecode` is pure torch and runs anywhere (CUDA,
-machines without a C compiler): it gathers each sequence's blocks into a
+the block tables. :class:`TritonDecode` runs the CUDA kernel of
+:mod:`shared.kernels.triton_attention`, in place too, and computes each token
+bitwise as :class:`~shared.model.prefill_attention.TritonPrefill` does.
+:class:`GatherDecode` is pure torch and runs anywhere (machines without a C
+compiler, CUDA without Triton): it gathers each sequence's blocks into a
 contiguous window and scores all heads with one batched matmul (see its
 docstring). :func:`select_decode_attention` picks one for an engine.
 
@@ -17,13 +20,18 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.config import AttentionBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.paged_decode import PagedDecodeKernel
+from shared.kernels.triton_support import is_pow2, triton_problem
 from shared.model.attention import DecodeBatch
+
+if TYPE_CHECKING:
+    from shared.kernels.triton_attention import Tiles
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +176,82 @@ class GatherDecode(DecodeAttention):
         return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, n_heads, head_dim)
 
 
+class TritonDecode(DecodeAttention):
+    """The CUDA kernel: one tile per decode row, K/V read in place through the block
+    tables (no gather of the context), each token computed bitwise as a prefill
+    computes it. The step's tiles are built once and reused by every layer."""
+
+    name = "triton"
+    pads_to_width = False
+
+    def __init__(self) -> None:
+        from shared.kernels import triton_attention
+
+        self.kernel = triton_attention
+        self._batch: DecodeBatch | None = None
+        self._tiles: Tiles | None = None
+        self._tables = torch.empty(0)
+
+    def _prepare(self, batch: DecodeBatch) -> tuple[Tiles, torch.Tensor]:
+        if batch is not self._batch or self._tiles is None:
+            lens = batch.lens.tolist()
+            self._tiles = self.kernel.Tiles.decode(lens, str(batch.tables.device))
+            self._tables = batch.tables.to(torch.int32)
+            self._batch = batch
+        return self._tiles, self._tables
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        tiles, tables = self._prepare(batch)
+        return self.kernel.paged_attention(q, k_pool, v_pool, tables, tiles, scale)
+
+
+def triton_attention_problem(
+    dtype: torch.dtype, head_dim: int, block_size: int, device: str
+) -> str | None:
+    """Why the Triton attention kernel cannot run this model; None when it can."""
+    problem = triton_problem(device)
+    if problem is None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        problem = f"it does not run {dtype}"
+    if problem is None and not (is_pow2(head_dim) and head_dim >= 16):
+        problem = f"head_dim {head_dim} is not a power of two of at least 16"
+    if problem is None and not (is_pow2(block_size) and block_size >= 16):
+        problem = f"block_size {block_size} is not a power of two of at least 16"
+    return problem
+
+
 def select_decode_attention(
-    backend: AttentionBackend, dtype: torch.dtype, device: str, kernel_dir: Path
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    kernel_dir: Path,
+    *,
+    head_dim: int = 64,
+    block_size: int = 16,
 ) -> DecodeAttention:
-    """``native`` (the C kernel, an error if it cannot be built), ``torch``, or ``auto``:
-    native on CPU where it builds, torch otherwise."""
-    if backend == "torch" or (backend == "auto" and device != "cpu"):
+    """``native`` (the C kernel, CPU), ``triton`` (the CUDA kernel), each an error where
+    it cannot run; ``torch``; or ``auto``: native on CPU where it builds, Triton on
+    CUDA where it runs, torch otherwise."""
+    if backend == "triton" or (backend == "auto" and device != "cpu"):
+        problem = triton_attention_problem(dtype, head_dim, block_size, device)
+        if problem is None:
+            return TritonDecode()
+        if backend == "triton":
+            raise ConfigError(f"the Triton attention kernel is unavailable: {problem}")
+        log.warning(
+            "Triton attention unavailable (%s): torch attention, whose results are not "
+            "batch-invariant on %s",
+            problem,
+            device,
+        )
+        return GatherDecode(dtype, device)
+    if backend == "torch":
         return GatherDecode(dtype, device)
     if device != "cpu":
         raise ConfigError(f"the native decode attention kernel runs on the CPU, not {device}")

@@ -10,7 +10,10 @@ prepacks each weight once into oneDNN's blocked layout and runs oneDNN's
 matmul on it; on CPU that is 2.4x faster than ``F.linear`` in fp32 (torch's
 fp32 GEMM goes to MKL, which takes AVX2 code on non-Intel CPUs, while oneDNN
 picks kernels by ISA), and it skips the per-call weight reorder ``F.linear``
-does in bf16. :class:`TorchLinear` is ``F.linear`` and runs anywhere.
+does in bf16. :class:`TritonLinear` is the CUDA GEMM of
+:mod:`shared.kernels.triton_gemm`: one tiling for every row count, so a row's
+result does not depend on its batch there either (cuBLAS picks kernels by
+shape). :class:`TorchLinear` is ``F.linear`` and runs anywhere.
 :func:`select_linear` picks one for a model.
 
 Ownership: :meth:`Linear.pack` is called once per weight at load; the model
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from shared.config import LinearBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.gemm import GemmKernel
+from shared.kernels.triton_support import triton_problem
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +181,44 @@ class OneDNNLinear(Linear):
         return None
 
 
+class TritonLinear(Linear):
+    """The batch-invariant CUDA GEMM on dense weights (rows read back as they are)."""
+
+    name = "triton"
+    reads_rows = True
+
+    def __init__(self) -> None:
+        from shared.kernels.triton_gemm import matmul
+
+        self.matmul = matmul
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        return _packed(weight.contiguous(), weight)
+
+    def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+        return self.matmul(x, packed.data)
+
+    def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, packed.data)
+
+
 def select_linear(
     backend: LinearBackend, dtype: torch.dtype, device: str, kernel_dir: Path
 ) -> Linear:
-    """``native``, ``onednn`` (each an error where it cannot run), ``torch``, or
-    ``auto``: on CPU the native kernel where it builds for ``dtype``, else oneDNN
-    where it runs, else torch; torch off the CPU."""
+    """``native``, ``onednn`` (CPU), ``triton`` (CUDA), each an error where it cannot
+    run; ``torch``; or ``auto``: on CPU the native kernel where it builds for
+    ``dtype``, else oneDNN where it runs, else torch; on CUDA Triton where it runs,
+    else torch (whose rows then depend on their batch)."""
     torch_linear = TorchLinear(pad_small_gemm=dtype == torch.float32 and device == "cpu")
-    if backend == "torch" or (backend == "auto" and device != "cpu"):
+    if backend == "triton" or (backend == "auto" and device != "cpu"):
+        problem = triton_problem(device)
+        if problem is None:
+            return TritonLinear()
+        if backend == "triton":
+            raise ConfigError(f"the Triton linear backend is unavailable: {problem}")
+        log.warning("Triton GEMM unavailable (%s): cuBLAS, not batch-invariant", problem)
+        return torch_linear
+    if backend == "torch":
         return torch_linear
     if device != "cpu":
         raise ConfigError(f"the {backend} linear backend runs on the CPU, not {device}")

@@ -1,11 +1,14 @@
 """The decoder's row-wise ops: RMSNorm, rotary embedding, SwiGLU's activation.
 
-Two implementations of one boundary. :class:`TorchPointwise` is plain torch,
-op by op, as Hugging Face writes them. :class:`NativePointwise` runs each as
-one pass in C (``shared/kernels/pointwise.c``): torch spends most of these
-ops' time on dispatch and temporaries (RoPE of one decode row's query and key
-heads is eight ops, 25-40 us; one C call, 3 us). In bf16 both give the same
-bits; in fp32 they differ in the last place where sums are ordered
+Three implementations of one boundary. :class:`TorchPointwise` is plain torch,
+op by op, as Hugging Face writes them. :class:`TritonPointwise` (CUDA) is
+torch but for RMSNorm, a Triton kernel whose rows do not depend on their
+batch (the rest is elementwise, which is batch-invariant in torch already).
+:class:`NativePointwise` runs each as one pass in C
+(``shared/kernels/pointwise.c``): torch spends most of these ops' time on
+dispatch and temporaries (RoPE of one decode row's query and key heads is
+eight ops, 25-40 us; one C call, 3 us). In bf16 native and torch give the
+same bits; in fp32 they differ in the last place where sums are ordered
 differently. :func:`select_pointwise` picks one for a model.
 
 Ownership: inputs are only read, except :meth:`Pointwise.rotary`'s ``qkv``,
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from shared.config import PointwiseBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.pointwise import PointwiseKernel
+from shared.kernels.triton_support import triton_problem
 from shared.model.rope import Rope
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,18 @@ class TorchPointwise(Pointwise):
         return F.silu(gate) * up
 
 
+class TritonPointwise(TorchPointwise):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from shared.kernels.triton_norm import rms_norm
+
+        self._rms_norm = rms_norm
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps)
+
+
 class NativePointwise(Pointwise):
     name = "native"
 
@@ -94,9 +110,17 @@ class NativePointwise(Pointwise):
 def select_pointwise(
     backend: PointwiseBackend, dtype: torch.dtype, device: str, kernel_dir: Path
 ) -> Pointwise:
-    """``native`` (an error where it cannot run), ``torch``, or ``auto``: native
-    on CPU where it builds, torch otherwise."""
-    if backend == "torch" or (backend == "auto" and device != "cpu"):
+    """``native`` (CPU), ``triton`` (CUDA), each an error where it cannot run;
+    ``torch``; or ``auto``: native on CPU where it builds, Triton on CUDA where it
+    runs, torch otherwise."""
+    if backend == "triton" or (backend == "auto" and device != "cpu"):
+        problem = triton_problem(device)
+        if problem is None:
+            return TritonPointwise()
+        if backend == "triton":
+            raise ConfigError(f"the Triton pointwise kernels are unavailable: {problem}")
+        return TorchPointwise()
+    if backend == "torch":
         return TorchPointwise()
     problem = None
     if device != "cpu":

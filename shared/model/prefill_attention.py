@@ -1,10 +1,12 @@
 """Prefill attention: a segment's new tokens against their sequence's context.
 
-Two implementations of one boundary. :class:`NativePrefill` runs the C kernel
+Three implementations of one boundary. :class:`NativePrefill` runs the C kernel
 of :mod:`shared.kernels.paged_prefill`, which reads K/V through the block table
 in place; each token's result is bitwise what the native decode kernel computes
-for it, however a prompt is chunked. :class:`SdpaPrefill` is torch's SDPA and
-runs anywhere (CUDA, or a CPU without a C compiler).
+for it, however a prompt is chunked. :class:`TritonPrefill` is the same promise
+on CUDA (:mod:`shared.kernels.triton_attention`, one kernel for decode and
+prefill rows). :class:`SdpaPrefill` is torch's SDPA and runs anywhere (CUDA
+without Triton, or a CPU without a C compiler), with no such promise.
 :func:`select_prefill_attention` picks one for an engine.
 
 Ownership: an instance belongs to one model runner and runs one call at a time.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,10 @@ from shared.config import AttentionBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.paged_prefill import PagedPrefillKernel
 from shared.model.attention import PrefillSegment
+from shared.model.decode_attention import triton_attention_problem
+
+if TYPE_CHECKING:
+    from shared.kernels.triton_attention import Tiles
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +120,59 @@ class NativePrefill(PrefillAttention):
         return out
 
 
+class TritonPrefill(PrefillAttention):
+    """The CUDA kernel: the segment's tokens in tiles, K/V read through the block table
+    in place, each token bitwise what :class:`~shared.model.decode_attention.TritonDecode`
+    computes for it. A segment's tiles are built once and reused by every layer."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from shared.kernels import triton_attention
+
+        self.kernel = triton_attention
+        self._seg: PrefillSegment | None = None
+        self._tiles: Tiles | None = None
+        self._table = torch.empty(0)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        seg: PrefillSegment,
+        scale: float,
+    ) -> torch.Tensor:
+        if seg is not self._seg or self._tiles is None:
+            device = str(seg.block_table.device)
+            self._tiles = self.kernel.Tiles.prefill(seg.num_new, seg.context_len, device)
+            self._table = seg.block_table.to(torch.int32)[None, :]
+            self._seg = seg
+        return self.kernel.paged_attention(q, k_pool, v_pool, self._table, self._tiles, scale)
+
+
 def select_prefill_attention(
-    backend: AttentionBackend, dtype: torch.dtype, head_dim: int, device: str, kernel_dir: Path
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    head_dim: int,
+    device: str,
+    kernel_dir: Path,
+    *,
+    block_size: int = 16,
 ) -> PrefillAttention:
-    """``native`` (the C kernel, an error if it cannot run), ``torch`` (SDPA), or
-    ``auto``: native on CPU where it builds and supports the model, SDPA otherwise."""
-    if backend == "torch" or (backend == "auto" and device != "cpu"):
+    """``native`` (the C kernel, CPU), ``triton`` (the CUDA kernel), each an error where
+    it cannot run; ``torch`` (SDPA); or ``auto``: native on CPU where it builds and
+    supports the model, Triton on CUDA where it runs, SDPA otherwise."""
+    if backend == "triton" or (backend == "auto" and device != "cpu"):
+        problem = triton_attention_problem(dtype, head_dim, block_size, device)
+        if problem is None:
+            return TritonPrefill()
+        if backend == "triton":
+            raise ConfigError(f"the Triton attention kernel is unavailable: {problem}")
+        return SdpaPrefill()
+    if backend == "torch":
         return SdpaPrefill()
     problem = None
     kernel = None
