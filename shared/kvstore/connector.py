@@ -45,10 +45,11 @@ from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
 from shared.kvstore.client import KVStoreClient, LeaseSet
 from shared.kvstore.connector_metrics import ConnectorMetrics
+from shared.kvstore.pool_copies import PoolCopies, pool_copies
 from shared.kvstore.pull_cost import PullCost, PullPolicy
 from shared.kvstore.replicator import Replicator
 from shared.kvstore.transfer_tasks import TransferTasks, release, retrieve
-from shared.kvstore.transfers import Load, PutJob, StagingPool
+from shared.kvstore.transfers import LayerItem, Load, PutJob, StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class KVStoreConnector(KVConnector):
         self.tasks = TransferTasks(kv, metrics, put_ttl_s=put_ttl_s)
         self.layout: KVLayout  # set by bind()
         self.pull: PullCost  # set by bind()
+        self.copies: PoolCopies  # set by bind()
         # engine thread
         self._loads: dict[RequestId, Load] = {}
         self._step_loads: list[Load] = []
@@ -114,9 +116,11 @@ class KVStoreConnector(KVConnector):
         super().bind(pool)
         self.layout = pool.layout
         self.pull = PullCost(pool.layout.bytes_per_token, self.pull_policy)
-        self.tasks.pool, self.tasks.pull = pool, self.pull
+        self.copies = pool_copies(pool)
+        self.tasks.pool, self.tasks.pull, self.tasks.copies = pool, self.pull, self.copies
         if self.staging_blocks:
-            self.tasks.staging = StagingPool(self.staging_blocks, pool.layout.block_bytes)
+            buffers = self.copies.staging(self.staging_blocks, pool.layout.block_bytes)
+            self.tasks.staging = StagingPool(buffers)
 
     def start(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
         """Run transfers on ``loop``; ``wake`` rouses the engine thread (both once)."""
@@ -281,6 +285,9 @@ class KVStoreConnector(KVConnector):
                     cancelled = True
                 cond.wait(timeout=1.0)
             self._poisoned = {x.request_id for x in loads if x.failed}
+            ready = [x.layer_ready[layer] for x in loads if len(x.layer_ready) > layer]
+        for r in ready:  # a staged pool: the layer's copies into the slots come first
+            self.copies.order_before_compute(r)
 
     def save_layer(self, layer: int, step: SchedulerOutput) -> None:
         if layer == 0:
@@ -293,7 +300,8 @@ class KVStoreConnector(KVConnector):
                 continue
             if job.whole_blocks and not last:
                 continue
-            self.tasks.dispatch(job, (layer, idxs, slots))
+            part = None if job.whole_blocks else layer
+            self.tasks.dispatch(job, LayerItem(part, idxs, self.copies.from_pool(slots, part)))
 
     def _plan_step(self, step: SchedulerOutput) -> list[tuple[PutJob, list[int], list[Slot]]]:
         """Per request with a put: the blocks that become final in this step (every
@@ -336,6 +344,9 @@ class KVStoreConnector(KVConnector):
         failed = frozenset(x.request_id for x in loads if x.failed)
         for load in loads:
             self._loads.pop(load.request_id, None)
+            for ready in load.layer_ready:  # a failed load's late copies precede recompute
+                self.copies.order_before_compute(ready)
+        self.copies.order_after_saves()
         self._step_loads = []
         self._poisoned = set()
         self._step_plan = []

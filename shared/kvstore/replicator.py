@@ -20,8 +20,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-import torch
-
 from shared.engine.kv_cache_manager import Slot
 from shared.engine.request import FinishReason, Request, RequestId
 from shared.engine.scheduler_output import SchedulerOutput
@@ -74,8 +72,8 @@ class Replicator:
     ) -> Replication | None:
         """Copy the request's full blocks not staged yet into staging buffers and hand
         them to the event loop; None for a request that does not replicate."""
-        staging, pool = self.tasks.staging, self.tasks.pool
-        if staging is None or pool is None:
+        staging, pool, copies = self.tasks.staging, self.tasks.pool, self.tasks.copies
+        if staging is None or pool is None or copies is None:
             return None
         rep = self.replications.get(req.request_id)
         if rep is None:
@@ -87,18 +85,20 @@ class Replicator:
         full = min(req.num_computed_tokens // bs, len(req.block_keys), len(req.slots))
         indices: list[int] = []
         buffers: list[int] = []
+        ready = None
         while rep.staged < full:
             index = staging.take()
             if index is None:  # the store lags: these go from the slots at the end
                 break
-            block = pool.block(req.slots[rep.staged])
-            staging.buffers[index].copy_(block.reshape(-1).view(torch.uint8))
+            out = staging.buffers[index : index + 1]
+            # copies run in order: the last one's completion covers the earlier ones
+            ready = copies.from_pool([req.slots[rep.staged]], out=out).ready
             rep.ids.append(self._block_id(req, rep.staged))
             indices.append(rep.staged)
             buffers.append(index)
             rep.staged += 1
         if indices:
-            self.tasks.soon(self.tasks.replicate_soon, rep, indices, buffers, None)
+            self.tasks.soon(self.tasks.replicate_soon, rep, indices, buffers, None, ready)
         return rep
 
     def finished(self, req: Request) -> bool:

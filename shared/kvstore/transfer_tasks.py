@@ -26,6 +26,7 @@ from shared.errors import KVStoreError, TransportError
 from shared.kv.kv_cache import KVCache
 from shared.kvstore.client import KVStoreClient, LeaseSet
 from shared.kvstore.connector_metrics import ConnectorMetrics
+from shared.kvstore.pool_copies import PoolCopies, Ready
 from shared.kvstore.pull_cost import PullCost
 from shared.kvstore.transfers import Events, LayerItem, Load, PutJob, Replication, StagingPool
 
@@ -49,6 +50,7 @@ class TransferTasks:
         self.events = Events()
         self.writes_pending = 0  # layer items dispatched and not yet sent (under cond)
         self.pool: KVCache | None = None
+        self.copies: PoolCopies | None = None  # how transfers reach the pool's bytes
         self.pull: PullCost | None = None
         self.staging: StagingPool | None = None
         self.watermarks: Watermarks | None = None  # decode: where replication is recorded
@@ -71,6 +73,11 @@ class TransferTasks:
             raise RuntimeError("the connector is not bound to an engine's KV pool")
         return self.pool
 
+    def _copies(self) -> PoolCopies:
+        if self.copies is None:
+            raise RuntimeError("the connector is not bound to an engine's KV pool")
+        return self.copies
+
     # -- scheduling work from the engine thread (thread-safe) ------------------------------
     def soon(self, fn: Callable[..., object], *args: object) -> None:
         if self._aio is None:
@@ -78,9 +85,11 @@ class TransferTasks:
         self._aio.call_soon_threadsafe(fn, *args)
 
     def dispatch(self, job: PutJob, item: LayerItem) -> None:
-        """Hand a layer item to the job's writer; it reads the pool until sent."""
-        with self.cond:
-            self.writes_pending += 1
+        """Hand a layer item to the job's writer; an item of the pool's own bytes reads
+        the pool until sent (a staged copy does not)."""
+        if item.copy.reads_pool:
+            with self.cond:
+                self.writes_pending += 1
         self.soon(job.queue.put_nowait, item)
 
     def wait_writes(self) -> None:
@@ -103,18 +112,24 @@ class TransferTasks:
             load.task.cancel()
 
     async def _load(self, load: Load) -> None:
-        pool = self._pool()
+        pool, copies = self._pool(), self._copies()
         layout = pool.layout
         started = time.perf_counter()
-        into = [pool.block(s) for s in load.slots]
+        landing = copies.landing(load.slots)
         error: BaseException | None = None
         try:
             async for layer in self.kv.stream(
-                load.ids, into, num_layers=layout.num_layers, wait_s=load.wait_s
+                load.ids, landing.rows, num_layers=layout.num_layers, wait_s=load.wait_s
             ):
+                # in-step loads land layer by layer (the engine orders its compute after
+                # each); an asynchronous one lands whole once every layer arrived
+                ready = Ready() if load.asynchronous else copies.layer_to_pool(landing, layer)
                 with self.cond:
+                    load.layer_ready.append(ready)
                     load.layers = layer + 1
                     self.cond.notify_all()
+            if load.asynchronous:
+                await copies.blocks_to_pool(landing).wait()
         except TRANSFER_ERRORS as exc:
             error = exc
         except Exception as exc:  # a bug must not leave the engine waiting forever
@@ -122,7 +137,7 @@ class TransferTasks:
             error = exc
         finally:
             await release(load.lease)
-        self._observe_load(load, len(into) * layout.block_bytes, started, error)
+        self._observe_load(load, len(landing.rows) * layout.block_bytes, started, error)
         with self.cond:
             load.error, load.done = error, True
             abandoned = load.abandoned
@@ -153,22 +168,19 @@ class TransferTasks:
         """Write each layer item of the job as it comes; commit once complete. An item
         counts as done (the engine may reuse its slots) once its bytes left; the commit
         round trip happens after that, off the engine's path."""
-        pool = self._pool()
-        layout = pool.layout
+        layout = self._pool().layout
         while (item := await job.queue.get()) is not None:
-            layer, idxs, slots = item
+            layer, idxs, copy = item.layer, item.indices, item.copy
             try:
                 if not job.failed:
                     ids = [job.ids[i] for i in idxs]
-                    if job.whole_blocks:
-                        await job.put.write(ids, [pool.pool[s] for s in slots])
-                        nbytes = len(slots) * layout.block_bytes
+                    await copy.ready.wait()
+                    if layer is None:
+                        await job.put.write(ids, copy.buffers)
                     else:
-                        segments = [pool.pool[s, layer] for s in slots]
-                        await job.put.write(ids, segments, layers=(layer, layer + 1))
-                        nbytes = len(slots) * layout.layer_bytes
-                    self.metrics.saved_bytes.inc(nbytes)
-                    if layer == layout.num_layers - 1:
+                        await job.put.write(ids, copy.buffers, layers=(layer, layer + 1))
+                    self.metrics.saved_bytes.inc(sum(b.numel() for b in copy.buffers))
+                    if layer is None or layer == layout.num_layers - 1:
                         job.written.update(idxs)
             except (KVStoreError, TransportError) as exc:
                 log.warning("KV put of %s failed: %s", job.request_id, exc)
@@ -177,9 +189,10 @@ class TransferTasks:
                 log.exception("KV put of %s failed", job.request_id)
                 self._fail(job, exc)
             finally:
-                with self.cond:
-                    self.writes_pending -= 1
-                    self.cond.notify_all()
+                if copy.reads_pool:
+                    with self.cond:
+                        self.writes_pending -= 1
+                        self.cond.notify_all()
             if job.complete and not job.failed and not job.committed.done():
                 await self.commit(job)
 
@@ -224,12 +237,17 @@ class TransferTasks:
         indices: list[int],
         staged: list[int] | None,
         slots: list[Slot] | None,
+        ready: Ready | None = None,
     ) -> None:
-        """Write blocks ``indices`` of a replication, from staging buffers or (a request
-        that ended) from its slots, which are released when written."""
+        """Write blocks ``indices`` of a replication, from staging buffers (their bytes in
+        place once ``ready``) or (a request that ended) from its slots, which are
+        released when written."""
         rep.pending += 1
         rep.settled.clear()
-        self.spawn(self._replicate(rep, indices, staged, slots), f"kv-replicate:{rep.request_id}")
+        self.spawn(
+            self._replicate(rep, indices, staged, slots, ready or Ready()),
+            f"kv-replicate:{rep.request_id}",
+        )
 
     def finish_replication(
         self, rep: Replication, keep: bool, indices: list[int], slots: list[Slot]
@@ -247,13 +265,14 @@ class TransferTasks:
         indices: list[int],
         staged: list[int] | None,
         slots: list[Slot] | None,
+        ready: Ready,
     ) -> None:
-        pool = self._pool()
-        layout = pool.layout
+        layout = self._pool().layout
         ids = [rep.ids[i] for i in indices]
         written = False
         try:
             if staged is not None and self.staging is not None:
+                await ready.wait()
                 buffers = [self.staging.buffers[i] for i in staged]
                 await self.kv.put(ids, buffers, num_layers=layout.num_layers)
             else:
@@ -264,7 +283,9 @@ class TransferTasks:
                     ttl_s=self.put_ttl_s,
                 )
                 try:
-                    await put.write(ids, [pool.block(s) for s in slots or ()])
+                    copy = self._copies().from_pool(slots or [])
+                    await copy.ready.wait()
+                    await put.write(ids, copy.buffers)
                     await put.commit()
                 except BaseException:
                     await put.revoke()

@@ -21,6 +21,7 @@ from shared.engine.kv_cache_manager import Slot
 from shared.engine.kv_connector import ConnectorEvents
 from shared.engine.request import RequestId
 from shared.kvstore.client import LeaseSet, PutHandle
+from shared.kvstore.pool_copies import HostCopy, Ready
 
 
 @dataclass(eq=False)
@@ -38,6 +39,8 @@ class Load:
     wait_s: float
     lease: LeaseSet | None
     layers: int = 0  # leading layers that landed
+    # per landed layer: when its bytes are in the slots (a staged pool copies after landing)
+    layer_ready: list[Ready] = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False  # nothing writes into the slots any more
     abandoned: bool = False  # its request ended first: report it released when done
@@ -48,7 +51,14 @@ class Load:
         return self.done and self.error is not None
 
 
-LayerItem = tuple[int, list[int], list[Slot]]  # layer, block indices, their slots
+@dataclass(frozen=True)
+class LayerItem:
+    """Blocks ``indices`` of a put job, their ``layer`` (None: whole blocks), as ``copy``
+    holds them (the pool's own bytes, or a staged host copy)."""
+
+    layer: int | None
+    indices: list[int]
+    copy: HostCopy
 
 
 @dataclass(eq=False)
@@ -112,13 +122,15 @@ class Events:
 
 
 class StagingPool:
-    """Preallocated block-sized host buffers: a completed block is copied into one on the
-    engine thread (tens of microseconds) and written from there on the event loop, so
-    the write never holds the block's slot. Taken on the engine thread, given back from
-    any thread; when none is free, the caller skips (replication lags, never blocks)."""
+    """Preallocated block-sized host buffers (``[count, block_bytes]``, pinned for a CUDA
+    pool): a completed block is copied into one on the engine thread (tens of
+    microseconds) and written from there on the event loop, so the write never holds the
+    block's slot. Taken on the engine thread, given back from any thread; when none is
+    free, the caller skips (replication lags, never blocks)."""
 
-    def __init__(self, count: int, block_bytes: int):
-        self.buffers = torch.zeros((count, block_bytes), dtype=torch.uint8)
+    def __init__(self, buffers: torch.Tensor):
+        self.buffers = buffers
+        count = buffers.shape[0]
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(count):
             self._free.put(i)
