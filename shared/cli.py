@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"compute dtype of the workers; auto: bfloat16 where the CPU (avx512_bf16, "
         f"AMX) or GPU has it natively, else float32 ({from_settings('dtype')})",
     )
+    up.add_argument(
+        "--device",
+        default=None,
+        help="where prefill and decode compute: cpu, cuda, cuda:1, ... "
+        f"({from_settings('device')})",
+    )
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up.add_argument(
         "--max-threads",
@@ -410,6 +416,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     secret = settings.cluster_secret or generate_secret()
 
     extra_env = {"BATON_CACHE_DIR": str(settings.cache_dir)}
+    if args.device:
+        extra_env["BATON_DEVICE"] = args.device
     if args.preemption_mode:
         extra_env["BATON_PREEMPTION_MODE"] = args.preemption_mode
     if args.swap_space_gb is not None:

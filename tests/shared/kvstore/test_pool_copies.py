@@ -1,0 +1,100 @@
+"""Slot bytes out of and into an engine's KV pool: in place on the CPU, staged through
+pinned memory on a CUDA device (skipped without one)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shared.engine.kv_cache_manager import Slot
+from shared.kv.kv_cache import KVCache
+from shared.kv.layout import KVLayout
+from shared.kvstore.pool_copies import InPlace, Staged, pool_copies
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16")
+
+
+def slots(*ids: int) -> list[Slot]:
+    return [Slot(i) for i in ids]
+
+
+def filled_pool(device: str) -> KVCache:
+    pool = KVCache(LAYOUT, 12, device=device, huge_pages="off")
+    gen = torch.Generator().manual_seed(0)
+    pool.pool.copy_(torch.randn(pool.pool.shape, generator=gen).to(pool.pool.dtype))
+    return pool
+
+
+def host_bytes(pool: KVCache, slot: int, layer: int | None = None) -> torch.Tensor:
+    block = pool.pool[slot] if layer is None else pool.pool[slot, layer]
+    return block.reshape(-1).view(torch.uint8).cpu()
+
+
+def test_in_place_hands_out_the_slots_own_bytes() -> None:
+    pool = filled_pool("cpu")
+    copies = pool_copies(pool)
+    assert isinstance(copies, InPlace)
+    copy = copies.from_pool(slots(3, 7), layer=2)
+    assert copy.reads_pool and copy.ready.done
+    assert copy.buffers[1].data_ptr() == pool.pool[7, 2].data_ptr()
+    assert torch.equal(copy.buffers[0], host_bytes(pool, 3, 2))
+    staging = copies.staging(4, LAYOUT.block_bytes)
+    staged = copies.from_pool(slots(5), out=staging[1:2])
+    assert not staged.reads_pool
+    assert torch.equal(staging[1], host_bytes(pool, 5))
+    landing = copies.landing(slots(9))
+    assert landing.rows[0].data_ptr() == pool.pool[9].data_ptr()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_staged_copies_round_trip_through_pinned_memory() -> None:
+    pool = filled_pool("cuda")
+    copies = pool_copies(pool)
+    assert isinstance(copies, Staged)
+    out = copies.from_pool(slots(1, 4, 10))
+    assert not out.reads_pool and out.buffers[0].is_pinned()
+    asyncio.run(out.ready.wait())
+    for row, slot in zip(out.buffers, [1, 4, 10], strict=True):
+        assert torch.equal(row, host_bytes(pool, slot))
+    layer = copies.from_pool(slots(2, 6), layer=3)
+    asyncio.run(layer.ready.wait())
+    assert torch.equal(layer.buffers[1], host_bytes(pool, 6, 3))
+
+    # whole blocks back into other slots
+    landing = copies.landing(slots(0, 11, 5))
+    for row, src in zip(landing.rows, out.buffers, strict=True):
+        row.copy_(src)
+    asyncio.run(copies.blocks_to_pool(landing).wait())
+    for dst, orig in zip([0, 11, 5], [1, 4, 10], strict=True):
+        assert torch.equal(pool.pool[dst], pool.pool[orig])
+
+    # layer by layer, each ordered before the engine's stream by its event
+    source = [host_bytes(pool, s) for s in (2, 3)]
+    landing = copies.landing(slots(7, 8))
+    for row, src in zip(landing.rows, source, strict=True):
+        row.copy_(src)
+    for i in range(LAYOUT.num_layers):
+        copies.order_before_compute(copies.layer_to_pool(landing, i))
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(pool.pool[7], pool.pool[2]) and torch.equal(pool.pool[8], pool.pool[3])
+
+
+@cuda
+def test_staged_copy_out_sees_the_compute_queued_before_it() -> None:
+    pool = filled_pool("cuda")
+    copies = pool_copies(pool)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # keep the engine's stream busy, then write the slot
+        busy = busy @ busy.T / 4096
+    pool.pool[3].fill_(1.5)
+    out = copies.from_pool(slots(3))
+    copies.order_after_saves()
+    pool.pool[3].fill_(-2.0)  # queued after the copy on the engine's stream
+    asyncio.run(out.ready.wait())
+    want = torch.full(LAYOUT.block_shape, 1.5, dtype=torch.bfloat16)
+    assert torch.equal(out.buffers[0], want.reshape(-1).view(torch.uint8))
