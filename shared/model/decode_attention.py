@@ -27,7 +27,7 @@ import torch
 from shared.config import AttentionBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.paged_decode import PagedDecodeKernel
-from shared.kernels.triton_support import is_pow2, triton_problem
+from shared.kernels.triton_support import is_pow2, kernels_problem
 from shared.model.attention import DecodeBatch
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def triton_attention_problem(
     dtype: torch.dtype, head_dim: int, block_size: int, device: str
 ) -> str | None:
     """Why the Triton attention kernel cannot run this model; None when it can."""
-    problem = triton_problem(device)
+    problem = kernels_problem(device, dtype)
     if problem is None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
         problem = f"it does not run {dtype}"
     if problem is None and not (is_pow2(head_dim) and head_dim >= 16):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from shared.config import LinearBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.gemm import GemmKernel
-from shared.kernels.triton_support import triton_problem
+from shared.kernels.triton_support import kernels_problem
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def select_linear(
     else torch (whose rows then depend on their batch)."""
     torch_linear = TorchLinear(pad_small_gemm=dtype == torch.float32 and device == "cpu")
     if backend == "triton" or (backend == "auto" and device != "cpu"):
-        problem = triton_problem(device)
+        problem = kernels_problem(device, dtype)
         if problem is None:
             return TritonLinear()
         if backend == "triton":

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from shared.config import PointwiseBackend
 from shared.errors import ConfigError, KernelBuildError
 from shared.kernels.pointwise import PointwiseKernel
-from shared.kernels.triton_support import triton_problem
+from shared.kernels.triton_support import kernels_problem
 from shared.model.rope import Rope
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def select_pointwise(
     ``torch``; or ``auto``: native on CPU where it builds, Triton on CUDA where it
     runs, torch otherwise."""
     if backend == "triton" or (backend == "auto" and device != "cpu"):
-        problem = triton_problem(device)
+        problem = kernels_problem(device, dtype)
         if problem is None:
             return TritonPointwise()
         if backend == "triton":

@@ -1,0 +1,149 @@
+"""KV transfer bandwidth GPU -> KV store -> GPU, against the host<->device copy bandwidth
+measured in the same run (part of ``benchmarks/gpu_check.py``).
+
+Blocks of the default model's layout (bf16) are filled on a CUDA KV pool, saved the way
+the KV connector saves them (:mod:`shared.kvstore.pool_copies`: one gather kernel and one
+DMA into pinned memory, then the store client's put) and loaded back into other slots
+(the client's get into pinned memory, one DMA and one scatter kernel), whole blocks and
+layer by layer (the in-step path), and checked byte for byte. Each figure is the best of
+``repeats``; each data-plane path the client offers (a same-host node's shared arena,
+the socket) is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+import torch
+
+from shared.cluster.keys import Keys
+from shared.engine.kv_cache_manager import Slot
+from shared.kv.kv_cache import KVCache
+from shared.kv.layout import KVLayout
+from shared.kvstore.client import KVStoreClient
+from shared.kvstore.pool_copies import Staged
+from shared.launcher import LocalCluster
+from shared.transport import make_transport
+
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of plain copies of ``nbytes`` between host and device memory."""
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.fill_(1)
+
+    def best(copy: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return nbytes / min(times) / 1e9
+
+    return {
+        "h2d_pinned": best(lambda: device.copy_(pinned, non_blocking=True)),
+        "d2h_pinned": best(lambda: pinned.copy_(device, non_blocking=True)),
+        "h2d_pageable": best(lambda: device.copy_(pageable)),
+        "d2h_pageable": best(lambda: pageable.copy_(device)),
+        "host_memcpy": best(lambda: pageable.copy_(pinned)),
+    }
+
+
+async def best_of(repeats: int, run: Callable[[], Awaitable[float]]) -> float:
+    return min([await run() for _ in range(repeats)])
+
+
+async def path_bandwidth(
+    local: LocalCluster, pool: KVCache, blocks: int, repeats: int, shm: bool
+) -> dict[str, Any]:
+    copies = Staged(pool)
+    nbytes = blocks * LAYOUT.block_bytes
+    src = [Slot(i) for i in range(blocks)]
+    dst = [Slot(blocks + i) for i in range(blocks)]
+    redis = aioredis.from_url(local.redis.url)
+    client = KVStoreClient(
+        make_transport("tcp"), redis, Keys("baton"), secret=local.secret, shm=shm
+    )
+    try:
+        ids: list[str] = []
+
+        async def save() -> float:
+            ids[:] = [uuid.uuid4().hex for _ in src]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copy = copies.from_pool(src)
+            await copy.ready.wait()
+            await client.put(ids, copy.buffers, num_layers=LAYOUT.num_layers)
+            return time.perf_counter() - t0
+
+        async def load() -> float:
+            pool.pool[dst].zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            landing = copies.landing(dst)
+            await client.get(ids, landing.rows)
+            await copies.blocks_to_pool(landing).wait()
+            return time.perf_counter() - t0
+
+        async def stream() -> float:
+            pool.pool[dst].zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            landing = copies.landing(dst)
+            last = None
+            async for layer in client.stream(
+                ids, landing.rows, num_layers=LAYOUT.num_layers, wait_s=5.0
+            ):
+                last = copies.layer_to_pool(landing, layer)
+            if last is not None:
+                await last.wait()
+            return time.perf_counter() - t0
+
+        async def socket_only() -> float:  # the data plane alone, host to host
+            host = torch.empty((blocks, LAYOUT.block_bytes), dtype=torch.uint8, pin_memory=True)
+            t0 = time.perf_counter()
+            await client.get(ids, list(host))
+            return time.perf_counter() - t0
+
+        out: dict[str, Any] = {"blocks": blocks, "bytes": nbytes, "shm": shm}
+        out["save_gbps"] = nbytes / await best_of(repeats, save) / 1e9
+        out["load_gbps"] = nbytes / await best_of(repeats, load) / 1e9
+        out["load_exact"] = bool(torch.equal(pool.pool[dst], pool.pool[src]))
+        out["stream_load_gbps"] = nbytes / await best_of(repeats, stream) / 1e9
+        out["stream_load_exact"] = bool(torch.equal(pool.pool[dst], pool.pool[src]))
+        out["store_get_host_gbps"] = nbytes / await best_of(repeats, socket_only) / 1e9
+        local_nodes = [n for n in await client.nodes() if getattr(n, "local", None) is not None]
+        out["used_shared_arena"] = bool(local_nodes)
+        return out
+    finally:
+        await client.close()
+        await redis.aclose()
+
+
+def kv_bandwidth(local: LocalCluster, blocks: int = 512, repeats: int = 3) -> dict[str, Any]:
+    pool = KVCache(LAYOUT, 2 * blocks, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool.pool.copy_(torch.randn(pool.pool.shape, device="cuda", generator=gen).to(torch.bfloat16))
+    nbytes = blocks * LAYOUT.block_bytes
+    raw = copy_bandwidth(nbytes, repeats)
+    out: dict[str, Any] = {"copy_gbps": raw, "paths": []}
+    for shm in (True, False):
+        out["paths"].append(asyncio.run(path_bandwidth(local, pool, blocks, repeats, shm)))
+    best_save = max(p["save_gbps"] for p in out["paths"])
+    best_load = max(p["load_gbps"] for p in out["paths"])
+    out["save_over_d2h"] = best_save / raw["d2h_pinned"]
+    out["load_over_h2d"] = best_load / raw["h2d_pinned"]
+    exact = all(p["load_exact"] and p["stream_load_exact"] for p in out["paths"])
+    out["ok"] = exact
+    out["target_met"] = exact and out["save_over_d2h"] >= 0.5 and out["load_over_h2d"] >= 0.5
+    return out
