@@ -7,16 +7,30 @@ empty slab goes back to the arena so another size can use it. A deployment
 has one or two block sizes (model x dtype), so fragmentation is bounded by
 one partly-used slab per size.
 
-Memory is pinned host memory when CUDA is present (so a GPU client's copies
-are DMA), otherwise plain pages zero-filled lazily by the OS.
+Memory is, by default, a file in /dev/shm (:mod:`services.kvstore.shm`) so
+that clients on the same host can map it and copy block bytes themselves; with
+``shared=False``, or when /dev/shm cannot hold it, it is anonymous memory of
+this process. Either way pages are zero-filled lazily by the OS. When CUDA is
+present the memory is pinned (so a GPU client's copies are DMA): a shared
+mapping is registered in place with ``cudaHostRegister`` (pinned memory must
+*be* the shared mapping), an anonymous one is a pinned torch tensor.
+
+Ownership: the arena owns its buffer; :meth:`Arena.close` drops it (and
+unlinks the file), after which no view handed out may be used.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from services.kvstore.shm import SHM_DIR, ShmFile, ShmUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,8 +64,35 @@ def _allocate_buffer(capacity: int, pinned: bool) -> np.ndarray:
     return np.zeros(capacity, dtype=np.uint8)  # calloc: pages appear on first touch
 
 
+def _register_host(buffer: np.ndarray) -> bool:
+    """Pin ``buffer`` in place for CUDA DMA; False (and a log line) if the driver refuses."""
+    import torch
+
+    err = int(torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0))
+    if err != 0:
+        log.warning("cudaHostRegister of the shared arena failed (cudaError %d): unpinned", err)
+        return False
+    return True
+
+
+def _unregister_host(buffer: np.ndarray) -> None:
+    import torch
+
+    err = int(torch.cuda.cudart().cudaHostUnregister(buffer.ctypes.data))
+    if err != 0:
+        log.warning("cudaHostUnregister of the shared arena failed (cudaError %d)", err)
+
+
 class Arena:
-    def __init__(self, capacity: int, slab_bytes: int, *, pinned: bool | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        slab_bytes: int,
+        *,
+        pinned: bool | None = None,
+        shared: bool = False,
+        shm_dir: Path = SHM_DIR,
+    ):
         if slab_bytes <= 0 or capacity < slab_bytes:
             raise ValueError(
                 f"the arena needs at least one slab: capacity {capacity}, slab {slab_bytes}"
@@ -59,8 +100,21 @@ class Arena:
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity // slab_bytes
         self.capacity = self.num_slabs * slab_bytes
-        self.pinned = cuda_present() if pinned is None else pinned
-        self.buffer = _allocate_buffer(self.capacity, self.pinned)
+        want_pinned = cuda_present() if pinned is None else pinned
+        self.shm: ShmFile | None = None
+        if shared:
+            try:
+                self.shm = ShmFile(self.capacity, shm_dir)
+            except ShmUnavailableError as exc:
+                log.warning("KV arena not shared with local clients: %s", exc)
+        if self.shm is not None:
+            self.buffer = np.frombuffer(self.shm.map, dtype=np.uint8)
+            self.pinned = want_pinned and _register_host(self.buffer)
+            self._host_registered = self.pinned
+        else:
+            self.buffer = _allocate_buffer(self.capacity, want_pinned)
+            self.pinned = want_pinned
+            self._host_registered = False
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._classes: dict[int, _SizeClass] = {}
         self.used_bytes = 0
@@ -68,6 +122,22 @@ class Arena:
     @property
     def max_block_bytes(self) -> int:
         return self.slab_bytes
+
+    @property
+    def shm_path(self) -> Path | None:
+        """The file same-host clients map, or None when the arena is not shared."""
+        return None if self.shm is None else self.shm.path
+
+    def close(self) -> None:
+        """Release the memory (unregister, unmap, unlink the file); idempotent.
+
+        Views handed out earlier must be gone: a transfer still running is a bug."""
+        if self._host_registered:
+            _unregister_host(self.buffer)
+            self._host_registered = False
+        self.buffer = np.empty(0, dtype=np.uint8)
+        if self.shm is not None:
+            self.shm.close()
 
     def allocate(self, size: int) -> Slot | None:
         """A slot of exactly ``size`` bytes, or None when no slab has room."""
