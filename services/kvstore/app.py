@@ -95,11 +95,12 @@ class KVStoreNode:
         self.heartbeat.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="kvstore-sweeper")
         log.info(
-            "kvstore %s: data %s port %d, capacity %.2f GiB",
+            "kvstore %s: data %s port %d, capacity %.2f GiB, shared with local clients: %s",
             s.instance_id,
             self.transport.name,
             self.listener.port,
             self.store.arena.capacity / (1 << 30),
+            self.store.arena.shm_path or "no",
         )
 
     async def _sweep(self) -> None:
@@ -120,6 +121,7 @@ class KVStoreNode:
         if self.transport is not None:
             await self.transport.shutdown()
         await self.redis.aclose()
+        self.store.close()  # after the listener: no connection can touch the arena now
 
     def ready(self) -> tuple[bool, dict[str, object]]:
         redis_ok = self.heartbeat is not None and self.heartbeat.healthy

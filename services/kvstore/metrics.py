@@ -15,6 +15,16 @@ class StoreMetrics:
         r = self.registry
         self.bytes_in = Counter("baton_kvstore_bytes_in", "Payload bytes written", registry=r)
         self.bytes_out = Counter("baton_kvstore_bytes_out", "Payload bytes read", registry=r)
+        self.local_bytes_in = Counter(
+            "baton_kvstore_local_bytes_in",
+            "Bytes written by same-host clients' own copies (part of bytes_in)",
+            registry=r,
+        )
+        self.local_bytes_out = Counter(
+            "baton_kvstore_local_bytes_out",
+            "Bytes read by same-host clients' own copies (part of bytes_out)",
+            registry=r,
+        )
         self.evictions = Counter("baton_kvstore_evictions", "Blocks evicted (LRU)", registry=r)
         self.hits = Counter("baton_kvstore_hits", "Block ids found by get/lookup", registry=r)
         self.misses = Counter("baton_kvstore_misses", "Block ids not found", registry=r)

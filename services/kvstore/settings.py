@@ -25,6 +25,9 @@ class KVStoreSettings(BaseSettings):
     high_watermark: float = Field(default=0.95, gt=0, le=1)
     low_watermark: float = Field(default=0.85, gt=0, le=1)
     sweep_s: float = Field(default=0.5, gt=0)
+    # the arena lives in /dev/shm so clients on this host copy blocks straight to and
+    # from it (only control messages on the socket); off: private memory, sockets only
+    shm: bool = True
     instance_id: str = Field(default_factory=lambda: f"kvstore-{uuid.uuid4().hex[:8]}")
 
     @model_validator(mode="after")
@@ -41,4 +44,5 @@ class KVStoreSettings(BaseSettings):
             slab_bytes=self.slab_mb << 20,
             high_watermark=self.high_watermark,
             low_watermark=self.low_watermark,
+            shared=self.shm,
         )

@@ -48,6 +48,7 @@ class StoreConfig:
     slab_bytes: int = 32 << 20
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    shared: bool = False  # arena in /dev/shm for same-host clients (see arena.py)
 
 
 @dataclass(eq=False)
@@ -59,7 +60,8 @@ class Entry:
     deadline: float
     written: np.ndarray = field(init=False)
     committed: bool = False
-    io: int = 0
+    io: int = 0  # transfers touching the slot (reads and writes): never freed while > 0
+    writing: int = 0  # writes among them (a commit waits for them to settle)
     pins: int = 0
     dead: bool = False
 
@@ -70,14 +72,25 @@ class Entry:
     def layer_bytes(self) -> int:
         return self.slot.size // self.num_layers
 
+    def span(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """Bytes ``[start, stop)`` of the block that ``layers`` (None: all) cover."""
+        if layers is None:
+            return 0, self.slot.size
+        return layers[0] * self.layer_bytes, layers[1] * self.layer_bytes
+
 
 @dataclass(frozen=True)
 class Transfer:
-    """Blocks pinned for one incoming payload and the views it lands in."""
+    """Blocks pinned for one incoming payload and the views it lands in.
+
+    ``offsets`` are the views' positions in the arena: what a same-host client
+    copies to itself. They stay valid (the slots pinned) until :meth:`BlockStore.end_write`.
+    """
 
     entries: list[Entry]
     views: list[np.ndarray]
     layers: tuple[int, int] | None
+    offsets: list[int]
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ class LeaseRecord:
 class BlockStore:
     def __init__(self, config: StoreConfig, metrics: StoreMetrics, index: IndexSink):
         self.config = config
-        self.arena = Arena(config.capacity_bytes, config.slab_bytes)
+        self.arena = Arena(config.capacity_bytes, config.slab_bytes, shared=config.shared)
         self.metrics = metrics
         self.index = index
         self._entries: dict[str, Entry] = {}
@@ -138,16 +151,32 @@ class BlockStore:
         views = [self._slice(e, layers) for e in entries]
         for entry in entries:
             entry.io += 1
-        return Transfer(entries, views, layers)
+            entry.writing += 1
+        return Transfer(entries, views, layers, self.offsets(entries, layers))
 
     def end_write(self, transfer: Transfer, ok: bool) -> None:
         for entry in transfer.entries:
             if ok and not entry.dead:
                 start, stop = transfer.layers or (0, entry.num_layers)
                 entry.written[start:stop] = True
+            entry.writing -= 1
             self._io_done(entry)
-        if ok:
-            self._notify()
+        self._notify()  # readers of the layers, and commits waiting for writes to settle
+
+    async def settled(self, ids: Sequence[str], deadline: float) -> None:
+        """Until no write to ``ids`` is in flight, or ``deadline``; never raises.
+
+        A local writer's ``ack`` is not answered, so its commit on another
+        connection can arrive first; the commit waits here for that ack."""
+        while True:
+            busy = any((e := self._entries.get(i)) is not None and e.writing for i in ids)
+            tick, remaining = self._tick, deadline - time.monotonic()
+            if not busy or remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(tick.wait(), remaining)
+            except TimeoutError:
+                continue
 
     def commit(self, ids: Sequence[str]) -> None:
         entries = [self._entries.get(i) for i in ids]
@@ -227,6 +256,10 @@ class BlockStore:
                 )
         return [self._slice(e, layers) for e in entries]
 
+    def offsets(self, entries: Sequence[Entry], layers: tuple[int, int] | None) -> list[int]:
+        """Where each entry's ``layers`` start in the arena; valid only while pinned (``io``)."""
+        return [e.slot.offset + e.span(layers)[0] for e in entries]
+
     # ----- leases, owners, expiry ------------------------------------------
     def lease(self, ids: Sequence[str], ttl_s: float) -> str:
         entries = [self._entries.get(i) for i in ids]
@@ -263,6 +296,10 @@ class BlockStore:
         self._drop_all(stale)
         self.metrics.reservations_expired.inc(len(stale))
 
+    def close(self) -> None:
+        """Release the arena (and its shared file); the store is unusable afterwards."""
+        self.arena.close()
+
     def held_ids(self) -> list[str]:
         return list(self._lru)
 
@@ -286,8 +323,7 @@ class BlockStore:
                 f"layers [{start}, {stop}) outside block {entry.id}'s {entry.num_layers}",
                 [entry.id],
             )
-        lb = entry.layer_bytes
-        return self.arena.view(entry.slot, start * lb, stop * lb)
+        return self.arena.view(entry.slot, *entry.span(layers))
 
     def _allocate(self, size: int) -> Slot | None:
         slot = self.arena.allocate(size)

@@ -18,7 +18,9 @@ that met it are retried on the remaining ranking, so with two replicas the
 loss of one node fails no operation.
 
 Ownership: the caller's buffers are read (puts) or written (gets) only while
-the awaited call runs; they are safe to reuse when it returns.
+the awaited call runs; they are safe to reuse when it returns. That holds on
+both data paths: the socket, and, for a node on this host (``shm``, default
+on), this process's own copies to and from the node's shared arena.
 """
 
 from __future__ import annotations
@@ -152,8 +154,10 @@ class KVStoreClient:
         down_s: float = 3.0,
         member_ttl_s: float = 5.0,
         secret: ClusterSecret | None = None,
+        shm: bool = True,
     ):
         self.transport = transport
+        self.shm = shm  # copy through a same-host node's shared arena (see NodeClient)
         self.secret = secret or ClusterSecret()
         self.redis = redis
         self.keys = keys
@@ -222,7 +226,12 @@ class KVStoreClient:
         if node is not None:
             self._retired.append(node)  # its connections lead to the old process
         node = NodeClient(
-            self.transport, member, self.client_id, timeout_s=self.timeout_s, secret=self.secret
+            self.transport,
+            member,
+            self.client_id,
+            timeout_s=self.timeout_s,
+            secret=self.secret,
+            shm=self.shm,
         )
         self._nodes[member.instance_id] = node
         return node

@@ -5,13 +5,23 @@ with this client's id (the node frees this client's unfinished reservations
 when its last connection goes), and are reused. A connection that saw a
 transport error or a cancellation mid-exchange is closed, never reused.
 Every call is bounded: ``timeout_s`` plus the read's own ``wait_s``.
+
+Same host: when the node's hello reply names a shared arena on this host (and
+``shm`` is on), the arena is mapped once (:class:`LocalArena`, shared by all
+connections to that node, unmapped on :meth:`NodeClient.close`) and puts,
+writes, gets and streams copy block bytes to and from it themselves; the
+connection carries only the control messages. If the mapping cannot be made,
+one log line says so and the socket carries the bytes as before. Either way
+the caller's buffers are read or written only while the awaited call runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 from pydantic import ValidationError
 
@@ -29,7 +39,10 @@ from shared.errors import (
     TransportError,
     TransportTimeoutError,
 )
+from shared.kvstore import local_arena
+from shared.kvstore.local_arena import LocalArena
 from shared.kvstore.protocol import (
+    Ack,
     BlockSpec,
     BlockStatus,
     Commit,
@@ -45,11 +58,14 @@ from shared.kvstore.protocol import (
     Reserve,
     Response,
     Revoke,
+    SharedArena,
     Write,
     decode_response,
     encode,
 )
-from shared.transport.base import Buffer, Connection, Transport
+from shared.transport.base import Buffer, Connection, Transport, as_bytes_view
+
+log = logging.getLogger(__name__)
 
 ERRORS: dict[str, type[KVStoreError]] = {
     cls.code: cls
@@ -78,6 +94,28 @@ def _raise_for(resp: Response) -> Response:
     raise ERRORS.get(err.code, KVStoreError)(err.message, err.ids)
 
 
+def _offsets(resp: Response, count: int) -> list[int]:
+    """A local reply's arena offsets, one per block; ProtocolError if they are not."""
+    offsets = resp.offsets
+    if offsets is None or len(offsets) != count or None in offsets:
+        raise ProtocolError(f"a local reply needs {count} arena offsets")
+    return [o for o in offsets if o is not None]
+
+
+def _sizes(resp: Response, count: int) -> list[int]:
+    if resp.sizes is None or len(resp.sizes) != count:
+        raise ProtocolError(f"a local reply needs {count} block sizes")
+    return resp.sizes
+
+
+@dataclass(eq=False)
+class _Link:
+    """A pooled connection, and the node's mapped arena when it serves this connection."""
+
+    conn: Connection
+    arena: LocalArena | None = None
+
+
 class NodeClient:
     def __init__(
         self,
@@ -88,6 +126,7 @@ class NodeClient:
         max_connections: int = 8,
         timeout_s: float = 30.0,
         secret: ClusterSecret | None = None,
+        shm: bool = True,
     ):
         if member.data_port is None:
             raise ValueError(f"store node {member.instance_id} has no data port")
@@ -96,25 +135,34 @@ class NodeClient:
         self.client_id = client_id
         self.timeout_s = timeout_s
         self.secret = secret or ClusterSecret()
-        self._idle: list[Connection] = []
+        self.shm = shm
+        self._idle: list[_Link] = []
         self._slots = asyncio.Semaphore(max_connections)
+        self._arena: LocalArena | None = None  # the node's arena, once a hello named it
+        self._replaced: list[LocalArena] = []  # arenas of a restarted node, unmapped at close
+        self._unusable: set[str] = set()  # arena paths that could not be mapped here
 
     @property
     def instance_id(self) -> str:
         return self.member.instance_id
 
+    @property
+    def local(self) -> bool:
+        """Whether block bytes go through the node's shared arena (known after a connect)."""
+        return self._arena is not None
+
     @contextlib.asynccontextmanager
-    async def _connection(self, wait_s: float = 0.0) -> AsyncIterator[Connection]:
+    async def _connection(self, wait_s: float = 0.0) -> AsyncIterator[_Link]:
         async with self._slots:
-            conn = None
+            link = None
             try:
                 async with asyncio.timeout(self.timeout_s + wait_s):
-                    while self._idle and conn is None:
+                    while self._idle and link is None:
                         candidate = self._idle.pop()
-                        conn = None if candidate.closed else candidate
-                    if conn is None:
-                        conn = await self._open()
-                    yield conn
+                        link = None if candidate.conn.closed else candidate
+                    if link is None:
+                        link = await self._open()
+                    yield link
             except TimeoutError as exc:
                 raise TransportTimeoutError(
                     f"store {self.instance_id} did not answer within {self.timeout_s + wait_s:.1f}s"
@@ -122,27 +170,50 @@ class NodeClient:
             except KVStoreError:
                 raise  # a refusal is a complete reply: the connection is still in step
             except BaseException:
-                if conn is not None:  # mid-exchange failure: the stream cannot be resynced
-                    await conn.close()
-                    conn = None
+                if link is not None:  # mid-exchange failure: the stream cannot be resynced
+                    await link.conn.close()  # (a local copy has finished: see LocalArena)
+                    link = None
                 raise
             finally:
-                if conn is not None and not conn.closed:
-                    self._idle.append(conn)
+                if link is not None and not link.conn.closed:
+                    self._idle.append(link)
 
-    async def _open(self) -> Connection:
+    async def _open(self) -> _Link:
         conn = await self.transport.connect(
             self.member.host, int(self.member.data_port or 0), timeout=self.timeout_s
         )
         proof = self.secret.prove(self.client_id)
         auth = None if proof is None else HelloAuth(nonce=proof.nonce, ts=proof.ts, mac=proof.mac)
-        await conn.send(encode(Hello(client_id=self.client_id, auth=auth)))
+        await conn.send(encode(Hello(client_id=self.client_id, auth=auth, shm=self.shm)))
         try:
-            _raise_for(await self._reply(conn))
+            resp = _raise_for(await self._reply(conn))
         except KVStoreError:
             await conn.close()
             raise
-        return conn
+        return _Link(conn, self._adopt(resp.arena) if self.shm else None)
+
+    def _adopt(self, shared: SharedArena | None) -> LocalArena | None:
+        """The mapping of the arena a hello reply named, if it is on this host and mappable."""
+        if shared is None or shared.path in self._unusable:
+            return None
+        current = self._arena
+        if current is not None and (current.path, current.size) == (shared.path, shared.size):
+            return current
+        if shared.host != local_arena.host_identity():
+            self._unusable.add(shared.path)
+            log.debug("store %s is on another host: blocks go by socket", self.instance_id)
+            return None
+        try:
+            arena = LocalArena.open(shared.path, shared.size)
+        except (OSError, ValueError) as exc:
+            self._unusable.add(shared.path)
+            log.info("cannot map store %s's arena (%s): blocks go by socket", self.instance_id, exc)
+            return None
+        if current is not None:
+            self._replaced.append(current)  # the node restarted; its old links are dead
+        self._arena = arena
+        log.debug("store %s is on this host: copying through %s", self.instance_id, shared.path)
+        return arena
 
     async def _reply(self, conn: Connection) -> Response:
         frame = await conn.recv()
@@ -158,9 +229,9 @@ class NodeClient:
     async def _call(
         self, req: Hello | Reserve | Commit | Revoke | Lookup | Lease | Release | Ping
     ) -> Response:
-        async with self._connection() as conn:
-            await conn.send(encode(req))
-            return _raise_for(await self._reply(conn))
+        async with self._connection() as link:
+            await link.conn.send(encode(req))
+            return _raise_for(await self._reply(link.conn))
 
     async def reserve(
         self, specs: Sequence[BlockSpec], num_layers: int, ttl_s: float = 30.0
@@ -175,18 +246,61 @@ class NodeClient:
         num_layers: int,
         ttl_s: float = 30.0,
     ) -> list[BlockStatus]:
-        """Whole blocks in one round trip: reserved, written and committed on the node."""
-        req = Put(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s)
-        async with self._connection() as conn:
-            await conn.send(encode(req), segments)
-            return list(_raise_for(await self._reply(conn)).statuses or [])
+        """Whole blocks reserved, written and committed on the node: one round trip by
+        socket, two when local (offsets of the reserved blocks, then the ack)."""
+        async with self._connection() as link:
+            if link.arena is not None:
+                return await self._put_local(
+                    link.conn, link.arena, specs, segments, num_layers, ttl_s
+                )
+            req = Put(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s)
+            await link.conn.send(encode(req), segments)
+            return list(_raise_for(await self._reply(link.conn)).statuses or [])
+
+    async def _put_local(
+        self,
+        conn: Connection,
+        arena: LocalArena,
+        specs: Sequence[BlockSpec],
+        segments: Sequence[Buffer],
+        num_layers: int,
+        ttl_s: float,
+    ) -> list[BlockStatus]:
+        views = [as_bytes_view(s) for s in segments]
+        if [v.nbytes for v in views] != [s.size for s in specs]:
+            raise KVBadRequestError(f"put of {len(specs)} blocks needs one segment per block")
+        req = Put(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s, local=True)
+        await conn.send(encode(req))
+        resp = _raise_for(await self._reply(conn))
+        if resp.offsets is None or len(resp.offsets) != len(specs):
+            raise ProtocolError(f"a local put needs {len(specs)} arena offsets")
+        fresh = [(v, o) for v, o in zip(views, resp.offsets, strict=True) if o is not None]
+        await arena.write_many([v for v, _ in fresh], [o for _, o in fresh])
+        await conn.send(encode(Ack()))
+        _raise_for(await self._reply(conn))  # committed
+        return list(resp.statuses or [])
 
     async def write(
         self, ids: Sequence[str], segments: Sequence[Buffer], layers: Layers | None = None
     ) -> None:
-        async with self._connection() as conn:
-            await conn.send(encode(Write(ids=list(ids), layers=_range(layers))), segments)
-            _raise_for(await self._reply(conn))
+        """Each block's bytes (whole, or its ``layers`` slice), one round trip either way.
+
+        Local: the reply gives offsets, we copy, and the ``ack`` that follows is not
+        answered; the node marks the layers when it reads it, and a commit waits
+        for that (so a later commit on another connection sees them written)."""
+        async with self._connection() as link:
+            conn, arena = link.conn, link.arena
+            if arena is None:
+                await conn.send(encode(Write(ids=list(ids), layers=_range(layers))), segments)
+                _raise_for(await self._reply(conn))
+                return
+            views = [as_bytes_view(s) for s in segments]
+            sizes = [v.nbytes for v in views]
+            req = Write(ids=list(ids), layers=_range(layers), local=True, sizes=sizes)
+            await conn.send(encode(req))
+            offsets = _offsets(_raise_for(await self._reply(conn)), len(ids))
+            await arena.write_many(views, offsets)
+            await conn.send(encode(Ack()))
 
     async def commit(self, ids: Sequence[str]) -> None:
         await self._call(Commit(ids=list(ids)))
@@ -215,17 +329,27 @@ class NodeClient:
         wait_s: float = 0.0,
     ) -> None:
         """Whole committed blocks (or a layer range of them) into ``into``."""
-        req = Get(ids=list(ids), layers=_range(layers), wait_s=wait_s)
-        async with self._connection(wait_s) as conn:
+        async with self._connection(wait_s) as link:
+            conn, arena = link.conn, link.arena
+            local = arena is not None
+            req = Get(ids=list(ids), layers=_range(layers), wait_s=wait_s, local=local)
             await conn.send(encode(req))
             frame = await conn.recv()
             resp = decode_response(frame.header)
             if not resp.ok:
                 _raise_for(resp)
             try:
-                await conn.recv_segments(frame, into)
+                if arena is None:
+                    await conn.recv_segments(frame, into)
+                    return
+                offsets, sizes = _offsets(resp, len(ids)), _sizes(resp, len(ids))
+                try:
+                    await arena.read_many(into, offsets, sizes)
+                finally:  # also when nothing was copied (the buffers were refused)
+                    await conn.send(encode(Ack()))
             except ValueError as exc:  # our buffers do not match what the store holds
-                await conn.close()
+                if not local:
+                    await conn.close()
                 raise KVBadRequestError(
                     f"get buffers do not match the stored blocks: {exc}"
                 ) from exc
@@ -243,24 +367,48 @@ class NodeClient:
         Ends normally only when the store confirmed every block committed; an
         error after some layers means those bytes must not be used.
         """
-        req = Get(ids=list(ids), layers=_range(layers), stream=True, wait_s=wait_s)
-        async with self._connection(wait_s) as conn:
+        async with self._connection(wait_s) as link:
+            conn, arena = link.conn, link.arena
+            req = Get(
+                ids=list(ids),
+                layers=_range(layers),
+                stream=True,
+                wait_s=wait_s,
+                local=arena is not None,
+            )
             await conn.send(encode(req))
+            chunks = 0
             while True:
                 frame = await conn.recv()
-                resp = _raise_for(decode_response(frame.header))
-                if resp.kind == "done":
+                resp = decode_response(frame.header)
+                if not resp.ok or resp.kind == "done":
+                    if arena is not None and chunks:  # we are done with every offset
+                        await conn.send(encode(Ack()))
+                    _raise_for(resp)
                     return
+                chunks += 1
                 if resp.layers is None:
                     await conn.close()
                     raise ProtocolError("layer chunk without its layer range")
-                await conn.recv_segments(frame, layer_views(resp.layers.start))
+                views = layer_views(resp.layers.start)
+                if arena is None:
+                    await conn.recv_segments(frame, views)
+                else:
+                    offsets, sizes = _offsets(resp, len(ids)), _sizes(resp, len(ids))
+                    await arena.read_many(views, offsets, sizes)
                 yield resp.layers.start
 
     async def close(self) -> None:
+        """Close the idle connections and unmap the node's arena (no call may be running)."""
         idle, self._idle = self._idle, []
-        for conn in idle:
-            await conn.close()
+        for link in idle:
+            await link.conn.close()
+        arenas, self._replaced = [*self._replaced, self._arena], []
+        self._arena = None
+        self._unusable.clear()
+        for arena in arenas:
+            if arena is not None:
+                arena.close()
 
 
 __all__ = ["NodeClient", "TransportError"]

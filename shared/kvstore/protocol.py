@@ -16,6 +16,27 @@ Payload rules (one segment per block id, in the order of ``ids``):
   with ``stream: true``, one ``chunk`` frame per layer as the layer becomes
   available, then a final ``done`` frame once every block is committed. A
   streamed reader may use layers early, but only trusts them after ``done``.
+
+Same-host clients (``local: true``; the node's hello reply named its shared
+arena, see :mod:`shared.kvstore.local_arena`) send and receive no payload:
+- ``write``/``put`` with ``local`` are answered with ``offsets`` (where each
+  block's bytes, or its ``layers`` slice, lie in the arena; null for a put's
+  block the node holds already). The client copies its bytes there, then sends
+  ``ack``; the node marks them written. A ``write``'s ``ack`` is not answered
+  (a ``commit`` of those blocks, on any connection, first waits for writes in
+  flight to them); a ``put``'s ``ack`` is answered with the put's usual reply
+  once the blocks are committed. A ``write``'s ``sizes`` are the byte counts
+  the client will copy, checked as a payload's would be.
+- ``get`` with ``local`` answers ``offsets`` (and ``sizes``) instead of a
+  payload; each ``chunk`` of a stream likewise. The client copies, then sends
+  an ``ack``, not answered: after a whole-block read at once, after a stream's
+  final frame (``done`` or an error) if it received any chunk.
+- Between the reply with offsets and the ``ack`` the node keeps those blocks
+  pinned: never freed or reused, whatever revokes, expires or evicts them
+  meanwhile. If the connection breaks instead, the pin ends with it. So a
+  client must finish every copy before it sends ``ack`` or closes.
+- A frame other than ``ack`` where one is due is refused (``bad_request``);
+  the pin ends there.
 """
 
 from __future__ import annotations
@@ -53,11 +74,22 @@ class HelloAuth(_Wire):
 
 
 class Hello(_Wire):
-    """A connection's first frame: who the client is, and its proof of the secret."""
+    """A connection's first frame: who the client is, and its proof of the secret.
+
+    ``shm``: the client would use the node's shared arena if on the same host."""
 
     op: Literal["hello"] = "hello"
     client_id: Annotated[str, Field(min_length=1, max_length=128)]
     auth: HelloAuth | None = None
+    shm: bool = False
+
+
+class SharedArena(_Wire):
+    """Where a node's arena can be mapped: ``path`` of ``size`` bytes, valid on ``host``."""
+
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    size: Annotated[int, Field(gt=0)]
+    host: Annotated[str, Field(min_length=1, max_length=512)]
 
 
 class BlockSpec(_Wire):
@@ -86,12 +118,21 @@ class Put(Reserve):
     """Reserve + write whole blocks + commit in one frame (one segment per block)."""
 
     op: Literal["put"] = "put"  # type: ignore[assignment]
+    local: bool = False
 
 
 class Write(_Wire):
     op: Literal["write"] = "write"
     ids: Ids
     layers: LayerRange | None = None
+    local: bool = False  # no payload: the client copies (``sizes``: bytes per id)
+    sizes: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_IDS)] | None = None
+
+    @model_validator(mode="after")
+    def _sized(self) -> Write:
+        if self.local and (self.sizes is None or len(self.sizes) != len(self.ids)):
+            raise ValueError("a local write needs one size per id")
+        return self
 
 
 class Commit(_Wire):
@@ -110,6 +151,14 @@ class Get(_Wire):
     layers: LayerRange | None = None
     stream: bool = False
     wait_s: Annotated[float, Field(ge=0, le=300)] = 0.0
+    local: bool = False
+
+
+class Ack(_Wire):
+    """A local client finished its copies (``ok``: all of them succeeded)."""
+
+    op: Literal["ack"] = "ack"
+    ok: bool = True
 
 
 class Lookup(_Wire):
@@ -133,7 +182,7 @@ class Ping(_Wire):
 
 
 Request = Annotated[
-    Hello | Reserve | Put | Write | Commit | Revoke | Get | Lookup | Lease | Release | Ping,
+    Hello | Reserve | Put | Write | Commit | Revoke | Get | Lookup | Lease | Release | Ping | Ack,
     Field(discriminator="op"),
 ]
 REQUEST = TypeAdapter(Request)
@@ -162,6 +211,8 @@ class Response(_Wire):
     sizes: list[int] | None = None  # get: block sizes (whole-block reads)
     num_layers: list[int] | None = None  # get: layers per block
     stats: dict[str, float] | None = None  # ping
+    arena: SharedArena | None = None  # hello with shm, from a node whose arena is shared
+    offsets: list[int | None] | None = None  # local ops: arena offset per block
 
 
 def encode(msg: BaseModel) -> bytes:
