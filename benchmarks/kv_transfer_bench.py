@@ -1,6 +1,7 @@
 """KV store data-plane throughput and latency, against raw TCP and memcpy, in one run.
 
-    python -m benchmarks.kv_transfer_bench [--mb 64] [--repeats 7] [--out FILE]
+    python -m benchmarks.kv_transfer_bench [--mb 64] [--repeats 7] [--paths ucx tcp shm]
+                                           [--out FILE]
 
 Measures, alternating the configurations in every repeat (the machine is
 noisy, so only ratios taken side by side mean anything):
@@ -9,9 +10,19 @@ noisy, so only ratios taken side by side mean anything):
 - ``raw_tcp``: a plain blocking TCP socket pair between this process and a
   child process, 64 MB each way (the baseline the issue asks to reach 0.8x of);
 - ``put``/``get`` through a real KV store process (real redis-server, the
-  client library, two-phase put = reserve + write + commit) for each transport,
+  client library's one-round-trip put and whole-block get) for each data path,
   64 MB as blocks of the default model's fp32 block size (737,280 bytes);
-- p50/p99 latency of a single-block get.
+- ``put_layers``/``stream``: the same bytes written layer by layer (begin_put,
+  one write per layer for all blocks, commit; what prefill does) and read back
+  as a layer stream (what decode does);
+- p50/p99 latency of a single-block get;
+- where CUDA is present, host-to-GPU and back from a shared arena pinned in
+  place (what a GPU client on the store's host would DMA from) against pageable
+  memory.
+
+Data paths: ``tcp`` and ``ucx`` move the bytes through the socket (the store's
+arena not shared); ``shm`` is a same-host client copying to and from the
+store's /dev/shm arena itself, control messages over TCP.
 
 Prints a JSON report; ``--out`` also writes it.
 """
@@ -27,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +46,13 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from benchmarks.results import save_json
+from services.kvstore.arena import cuda_present
 from shared.cluster.keys import Keys
 from shared.kvstore.client import KVStoreClient
 from shared.procs import RedisProcess, ServiceProcess, free_port, free_ports
 from shared.transport import make_transport
 
+KINDS = ("put", "get", "put_layers", "stream")
 BLOCK_BYTES = 737_280  # SmolLM2-135M fp32: 30 layers x 2 x 16 tokens x 3 heads x 64 x 4 B
 NUM_LAYERS = 30
 CHUNK = 4 << 20
@@ -118,21 +132,37 @@ def memcpy_seconds(nbytes: int) -> float:
     return time.perf_counter() - t
 
 
+@dataclass(frozen=True)
+class DataPath:
+    """How a benchmarked client reaches its store: the transport, and the shared arena."""
+
+    name: str
+    transport: str
+    shm: bool
+
+
+PATHS = {
+    "ucx": DataPath("ucx", "ucx", shm=False),
+    "tcp": DataPath("tcp", "tcp", shm=False),
+    "shm": DataPath("shm", "tcp", shm=True),
+}
+
+
 class ClientWorker:
     """The client side in its own process (one transport per process, as in a real
     deployment: UCX's progress engine in a process slows an unrelated TCP socket).
     Reads commands on stdin, answers one JSON line each."""
 
-    def __init__(self, transport: str, redis_url: str, nbytes: int):
-        self.transport = transport
+    def __init__(self, path: DataPath, redis_url: str, nbytes: int):
+        self.path = path
         self.redis_url = redis_url
         self.nblocks = nbytes // BLOCK_BYTES
         self.counter = 0
 
     async def serve(self) -> None:
         redis = aioredis.from_url(self.redis_url)
-        transport = make_transport(self.transport)
-        client = KVStoreClient(transport, redis, Keys(f"bench-{self.transport}"))
+        transport = make_transport(self.path.transport)
+        client = KVStoreClient(transport, redis, Keys(f"bench-{self.path.name}"), shm=self.path.shm)
         src = [np.random.randint(0, 255, BLOCK_BYTES, dtype=np.uint8) for _ in range(self.nblocks)]
         dst = [np.empty(BLOCK_BYTES, dtype=np.uint8) for _ in range(self.nblocks)]
         loop = asyncio.get_running_loop()
@@ -142,7 +172,20 @@ class ClientWorker:
                 put_s, ids = await self._put(client, src)
                 get_s = await self._get(client, ids, dst)
                 same = all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
-                reply: dict[str, Any] = {"put": put_s, "get": get_s, "same": same}
+                (node,) = await client.nodes()
+                reply: dict[str, Any] = {
+                    "put": put_s,
+                    "get": get_s,
+                    "same": same,
+                    "local": node.local,
+                }
+            elif cmd == "layers":
+                put_s, ids = await self._put_layers(client, src)
+                for buf in dst:
+                    buf.fill(0)
+                stream_s = await self._stream(client, ids, dst)
+                same = all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+                reply = {"put_layers": put_s, "stream": stream_s, "same": same}
             elif cmd == "latency":
                 _, ids = await self._put(client, src[:1])
                 reply = {
@@ -169,29 +212,51 @@ class ClientWorker:
         await client.get(ids, into)
         return time.perf_counter() - t
 
+    async def _put_layers(
+        self, client: KVStoreClient, blocks: list[np.ndarray]
+    ) -> tuple[float, list[str]]:
+        """Prefill's pattern: reserve, then one write per layer carrying every block's slice."""
+        self.counter += 1
+        ids = [f"{self.counter:016x}{i:016x}" for i in range(len(blocks))]
+        lb = BLOCK_BYTES // NUM_LAYERS
+        t = time.perf_counter()
+        handle = await client.begin_put(ids, [BLOCK_BYTES] * len(ids), num_layers=NUM_LAYERS)
+        for layer in range(NUM_LAYERS):
+            span = (layer, layer + 1)
+            await handle.write(ids, [b[layer * lb : (layer + 1) * lb] for b in blocks], span)
+        await handle.commit()
+        return time.perf_counter() - t, ids
+
+    async def _stream(self, client: KVStoreClient, ids: list[str], into: list[np.ndarray]) -> float:
+        t = time.perf_counter()
+        async for _ in client.stream(ids, into, num_layers=NUM_LAYERS, wait_s=30):
+            pass
+        return time.perf_counter() - t
+
 
 class StoreTarget:
-    """One store process on ``transport`` and a client worker process driving it."""
+    """One store process for a data path and a client worker process driving it."""
 
     def __init__(
-        self, transport: str, redis_url: str, workdir: Path, nbytes: int, capacity_gb: float
+        self, path: DataPath, redis_url: str, workdir: Path, nbytes: int, capacity_gb: float
     ):
-        self.name = transport
+        self.name = path.name
         http, data = free_ports(2)
         env = {
             "BATON_REDIS_URL": redis_url,
-            "BATON_REDIS_PREFIX": f"bench-{transport}",
-            "BATON_TRANSPORT": transport,
+            "BATON_REDIS_PREFIX": f"bench-{path.name}",
+            "BATON_TRANSPORT": path.transport,
             "BATON_KVSTORE_HTTP_PORT": str(http),
             "BATON_KVSTORE_DATA_PORT": str(data),
             "BATON_KVSTORE_CAPACITY_GB": str(capacity_gb),
+            "BATON_KVSTORE_SHM": str(path.shm).lower(),
             "BATON_LOG_LEVEL": "warning",
         }
-        log = workdir / f"kvstore-{transport}.log"
+        log = workdir / f"kvstore-{path.name}.log"
         self.proc = ServiceProcess("services.kvstore", env, f"http://127.0.0.1:{http}/ready", log)
         self.proc.start().wait_ready()
         self.client = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.kv_transfer_bench", "--client", transport,
+            [sys.executable, "-m", "benchmarks.kv_transfer_bench", "--client", path.name,
              "--redis-url", redis_url, "--raw-bytes", str(nbytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -213,6 +278,54 @@ class StoreTarget:
         self.proc.stop()
 
 
+def gpu_copies(mb: int = 256, repeats: int = 10) -> dict[str, Any]:
+    """GB/s between the GPU and a shared arena pinned in place, and pageable memory."""
+    import torch
+
+    from services.kvstore.arena import Arena
+
+    size = mb << 20
+    arena = Arena(4 * size, 32 << 20, shared=True)
+    shared = torch.from_numpy(arena.buffer[:size])
+    pageable = torch.from_numpy(np.ones(size, np.uint8))
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+
+    def gbps(dst: torch.Tensor, src: torch.Tensor) -> float:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return size * repeats / (time.perf_counter() - t) / 1e9
+
+    try:
+        return {
+            "gpu": torch.cuda.get_device_name(),
+            "arena_pinned": arena.pinned,
+            "h2d_shared_arena": gbps(dev, shared),
+            "h2d_pageable": gbps(dev, pageable),
+            "d2h_shared_arena": gbps(shared, dev),
+            "d2h_pageable": gbps(pageable, dev),
+        }
+    finally:
+        del shared
+        arena.close()
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else "unknown"
+
+
+def gbps_paths(targets: list[StoreTarget]) -> set[str]:
+    return {t.name for t in targets}
+
+
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
@@ -224,10 +337,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     redis = RedisProcess().start()
     raw = RawTcp(nbytes)
     targets = [
-        StoreTarget(t, redis.url, workdir, nbytes, args.capacity_gb) for t in args.transports
+        StoreTarget(PATHS[p], redis.url, workdir, nbytes, args.capacity_gb) for p in args.paths
     ]
     times: dict[str, list[float]] = {"memcpy": [], "raw_tcp_up": [], "raw_tcp_down": []}
     cold: dict[str, float] = {}
+    local: dict[str, bool] = {}
     latency: dict[str, dict[str, float]] = {}
     try:
         for target in targets:
@@ -236,19 +350,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # the arena once so measured puts land in memory the store has used before.
             cold[f"{target.name}_put_cold"] = nbytes / target.ask("round")["put"] / 1e9
             for _ in range(int(args.capacity_gb * (1 << 30) / nbytes) + 1):
-                target.ask("round")
-            times[f"{target.name}_put"], times[f"{target.name}_get"] = [], []
+                local[target.name] = target.ask("round")["local"]
+            for kind in KINDS:
+                times[f"{target.name}_{kind}"] = []
         raw.upload(), raw.download()
         for _ in range(args.repeats):
             times["memcpy"].append(memcpy_seconds(nbytes))
             times["raw_tcp_up"].append(raw.upload())
             times["raw_tcp_down"].append(raw.download())
             for target in targets:
-                result = target.ask("round")
+                result = {**target.ask("round"), **target.ask("layers")}
                 if not result["same"]:
-                    raise AssertionError(f"{target.name}: get returned different bytes")
-                times[f"{target.name}_put"].append(result["put"])
-                times[f"{target.name}_get"].append(result["get"])
+                    raise AssertionError(f"{target.name}: a read returned different bytes")
+                for kind in KINDS:
+                    times[f"{target.name}_{kind}"].append(result[kind])
         for target in targets:
             samples = sorted(target.ask(f"latency {args.latency_samples}")["us"])
             latency[target.name] = {
@@ -267,7 +382,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios[f"{target.name}_get_vs_raw_tcp"] = gbps[f"{target.name}_get"] / gbps["raw_tcp_down"]
         ratios[f"{target.name}_put_vs_memcpy"] = gbps[f"{target.name}_put"] / gbps["memcpy"]
         ratios[f"{target.name}_get_vs_memcpy"] = gbps[f"{target.name}_get"] / gbps["memcpy"]
+    socket_paths = [t.name for t in targets if t.name != "shm"]
+    if "shm" in gbps_paths(targets):  # the shared-memory path against each socket path
+        for base in socket_paths:
+            for kind in KINDS:
+                ratios[f"shm_{kind}_vs_{base}"] = gbps[f"shm_{kind}"] / gbps[f"{base}_{kind}"]
     return {
+        "cpu": _cpu_model(),
+        "local_client": local,
         "bytes": nbytes,
         "blocks": nblocks,
         "block_bytes": BLOCK_BYTES,
@@ -276,6 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "gbps_first_touch": cold,
         "ratios": ratios,
         "single_block_get": latency,
+        "gpu_gbps": gpu_copies() if cuda_present() else None,
     }
 
 
@@ -283,7 +406,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--transports", nargs="+", default=["ucx", "tcp"])
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--capacity-gb", type=float, default=0.25)
     parser.add_argument("--latency-samples", type=int, default=500)
     parser.add_argument("--out", type=Path)
@@ -296,7 +419,7 @@ def main() -> None:
         raw_server(args.raw_server, args.raw_bytes)
         return
     if args.client:
-        asyncio.run(ClientWorker(args.client, args.redis_url, args.raw_bytes).serve())
+        asyncio.run(ClientWorker(PATHS[args.client], args.redis_url, args.raw_bytes).serve())
         return
     report = run(args)
     text = json.dumps(report, indent=2)
