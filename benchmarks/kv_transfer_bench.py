@@ -322,10 +322,6 @@ def _cpu_model() -> str:
     return names[0] if names else "unknown"
 
 
-def gbps_paths(targets: list[StoreTarget]) -> set[str]:
-    return {t.name for t in targets}
-
-
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
@@ -383,7 +379,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios[f"{target.name}_put_vs_memcpy"] = gbps[f"{target.name}_put"] / gbps["memcpy"]
         ratios[f"{target.name}_get_vs_memcpy"] = gbps[f"{target.name}_get"] / gbps["memcpy"]
     socket_paths = [t.name for t in targets if t.name != "shm"]
-    if "shm" in gbps_paths(targets):  # the shared-memory path against each socket path
+    if any(t.name == "shm" for t in targets):  # the shared-memory path against the sockets
         for base in socket_paths:
             for kind in KINDS:
                 ratios[f"shm_{kind}_vs_{base}"] = gbps[f"shm_{kind}"] / gbps[f"{base}_{kind}"]

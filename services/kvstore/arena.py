@@ -68,7 +68,11 @@ def _register_host(buffer: np.ndarray) -> bool:
     """Pin ``buffer`` in place for CUDA DMA; False (and a log line) if the driver refuses."""
     import torch
 
-    err = int(torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0))
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0))
+    except RuntimeError as exc:  # the CUDA runtime itself would not start
+        log.warning("cannot pin the shared arena (%s): unpinned", exc)
+        return False
     if err != 0:
         log.warning("cudaHostRegister of the shared arena failed (cudaError %d): unpinned", err)
         return False
