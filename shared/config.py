@@ -83,6 +83,8 @@ class EngineConfig:
     linear: LinearBackend = "auto"
     pointwise: PointwiseBackend = "auto"
     kernel_dir: Path = field(default_factory=lambda: default_cache_dir() / "kernels")
+    # CUDA: replay decode steps from CUDA graphs (shared.engine.cuda_graphs)
+    cuda_graphs: bool = True
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -121,6 +123,7 @@ class BatonSettings(BaseSettings):
     attention: AttentionBackend = "auto"
     linear: LinearBackend = "auto"
     pointwise: PointwiseBackend = "auto"
+    cuda_graphs: bool = True
     cache_dir: Path = Field(default_factory=default_cache_dir)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=1024)
     kv_cache_gb: float = Field(default=DEFAULT_KV_CACHE_GB, gt=0)
@@ -180,6 +183,7 @@ class BatonSettings(BaseSettings):
             attention=self.attention,
             linear=self.linear,
             pointwise=self.pointwise,
+            cuda_graphs=self.cuda_graphs,
             kernel_dir=self.cache_dir / "kernels",
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shared.config import EngineConfig, default_cache_dir
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.host_swap import build_swap
 from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
 from shared.engine.kv_connector import KVConnector
@@ -40,7 +41,8 @@ from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockHasher
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout, dtype_name
-from shared.model.attention_impl import select_attention
+from shared.model.attention_impl import AttentionImpl, select_attention
+from shared.model.decode_attention import TritonDecode
 from shared.model.loader import LoadedModel, load_model
 
 
@@ -69,19 +71,29 @@ class Engine:
         )
         if config.cache.prefault:
             self.kv_cache.prefault()
+        attention = select_attention(
+            config.attention,
+            loaded.model.dtype,
+            arch.head_dim,
+            config.device,
+            config.kernel_dir,
+            block_size=config.cache.block_size,
+        )
+        self.max_model_len = arch.max_position_embeddings
+        graphs = self._decode_graphs(loaded, attention)
         self.hasher = BlockHasher(
             namespace=f"{loaded.identity}|{self.layout.describe()}",
             block_size=config.cache.block_size,
         )
+        # decode graphs pad batches on the pool's last block, which no request gets
         self.kv = KVCacheManager(
-            self.kv_cache.num_blocks,
+            self.kv_cache.num_blocks - (graphs is not None),
             self.hasher,
             enable_caching=config.cache.enable_prefix_caching,
         )
         self.connector = connector
         if connector is not None:
             connector.bind(self.kv_cache)
-        self.max_model_len = arch.max_position_embeddings
         self.swap_space, self.swapper = build_swap(config, self.kv_cache)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -91,15 +103,7 @@ class Engine:
             connector=connector,
             swapper=self.swapper,
         )
-        attention = select_attention(
-            config.attention,
-            loaded.model.dtype,
-            arch.head_dim,
-            config.device,
-            config.kernel_dir,
-            block_size=config.cache.block_size,
-        )
-        self.runner = ModelRunner(loaded.model, self.kv_cache, attention)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, attention, graphs)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._next_id = 0
         self._steps = 0
@@ -107,6 +111,23 @@ class Engine:
         # called on the engine thread after each layer's K/V are written (before they
         # are saved): it may change the thread count (see shared.engine.elastic_threads)
         self.between_layers: Callable[[], None] | None = None
+
+    def _decode_graphs(self, loaded: LoadedModel, attention: AttentionImpl) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps, where the config asks for them and they can run:
+        a CUDA device, the Triton decode attention, a pool of more than one block."""
+        config = self.config
+        if not (config.cuda_graphs and config.device.startswith("cuda")):
+            return None
+        if not isinstance(attention.decode, TritonDecode) or self.kv_cache.num_blocks < 2:
+            return None
+        return DecodeGraphs(
+            loaded.model,
+            self.kv_cache,
+            attention,
+            max_batch=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            scratch_slot=self.kv_cache.num_blocks - 1,
+        )
 
     @classmethod
     def from_config(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.request import RequestId, SampledToken
 from shared.engine.sampler import SamplingRow, sample
 from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -123,18 +124,42 @@ def build_input(
 
 
 class ModelRunner:
-    """Runs the model for one engine over its KV pool (which it owns for the engine's life)."""
+    """Runs the model for one engine over its KV pool (which it owns for the engine's life).
+    Decode-only steps replay CUDA graphs when ``graphs`` is given (see
+    :mod:`shared.engine.cuda_graphs`); every other step runs eagerly."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: AttentionImpl):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        attention: AttentionImpl,
+        graphs: DecodeGraphs | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
+        self.graphs = graphs
         self.block_size = kv_cache.layout.block_size
         self.device = model.device
 
     def execute(
         self, step: SchedulerOutput, on_layer: LayerHook | None = None
     ) -> dict[RequestId, SampledToken]:
+        logits, sampled = self._replay(step, on_layer) or self._forward(step, on_layer)
+        if not sampled:
+            return {}
+        rows = [
+            SamplingRow(
+                s.request.params, s.request.seed, s.request.num_tokens, s.request.output_token_ids
+            )
+            for s in sampled
+        ]
+        tokens = sample(logits, rows)
+        return {s.request.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+
+    def _forward(
+        self, step: SchedulerOutput, on_layer: LayerHook | None
+    ) -> tuple[torch.Tensor, tuple[ScheduledRequest, ...]]:
         inp = build_input(
             step, self.block_size, self.device, split_decodes=self.attention.decode.pads_to_width
         )
@@ -148,13 +173,24 @@ class ModelRunner:
             self.attention,
             hook,
         )
-        if not inp.sampled:
-            return {}
-        rows = [
-            SamplingRow(
-                s.request.params, s.request.seed, s.request.num_tokens, s.request.output_token_ids
-            )
-            for s in inp.sampled
-        ]
-        tokens = sample(logits, rows)
-        return {s.request.request_id: t for s, t in zip(inp.sampled, tokens, strict=True)}
+        return logits, inp.sampled
+
+    def _replay(
+        self, step: SchedulerOutput, on_layer: LayerHook | None
+    ) -> tuple[torch.Tensor, tuple[ScheduledRequest, ...]] | None:
+        """A decode-only step from its CUDA graph; None when it runs eagerly instead."""
+        if self.graphs is None or not self.graphs.covers(step):
+            return None
+        logits = self.graphs.run(step)
+        if logits is None:
+            return None
+        if on_layer is not None:
+            # past its prompt a request never loads in-step (see DecodeGraphs.covers), so
+            # the hooks only save: every layer of the step is final once replayed
+            for layer in range(len(self.model.layers)):
+                on_layer(layer, step)
+        rows = [i for i, s in enumerate(step.scheduled) if s.samples]
+        sampled = tuple(step.scheduled[i] for i in rows)
+        if len(rows) != len(step.scheduled):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return logits, sampled

@@ -192,6 +192,11 @@ class TritonDecode(DecodeAttention):
         self._tiles: Tiles | None = None
         self._tables = torch.empty(0)
 
+    def bind(self, batch: DecodeBatch, tiles: Tiles, tables: torch.Tensor) -> None:
+        """Use ``tiles`` and the int32 ``tables`` for ``batch`` (static buffers a CUDA graph
+        captures; nothing is read back from the device)."""
+        self._batch, self._tiles, self._tables = batch, tiles, tables
+
     def _prepare(self, batch: DecodeBatch) -> tuple[Tiles, torch.Tensor]:
         if batch is not self._batch or self._tiles is None:
             lens = batch.lens.tolist()

@@ -5,6 +5,7 @@ and failover rely on)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,20 @@ def test_prefill_over_decoded_tokens_continues_bitwise(loaded_cuda: LoadedModel)
         )[0]
         assert resumed.token_ids == first.token_ids[cut:]
         assert [x.logprob for x in resumed.logprobs] == [x.logprob for x in first.logprobs[cut:]]
+
+
+def test_decode_graphs_replay_the_eager_bits(loaded_cuda: LoadedModel) -> None:
+    """Decode steps replayed from CUDA graphs (batches padded to a bucket) give the tokens
+    and logprobs eager steps give, and they are replayed."""
+    cache = CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=False, prefault=False)
+    config = EngineConfig(dtype=_dtype(loaded_cuda), device="cuda", cache=cache)
+    graphed = Engine(loaded_cuda, config)
+    eager = Engine(loaded_cuda, replace(config, cuda_graphs=False))
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    prompts = _prompts(graphed)[:5]  # 5 rows: padded to the bucket of 8
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
+    a, b = graphed.generate(prompts, params), eager.generate(prompts, params)
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert [p.logprob for p in x.logprobs] == [p.logprob for p in y.logprobs]
+    assert 8 in graphed.runner.graphs.captured
