@@ -42,6 +42,8 @@ CUDA_TESTS = (
     "tests/shared/kernels/test_triton_kernels.py",
     "tests/shared/kvstore/test_pool_copies.py",
     "tests/shared/engine/test_cuda_engine.py",
+    "tests/services/kvstore/test_device_buffers.py",
+    "tests/services/kvstore/test_arena_cuda.py",
 )
 
 

@@ -42,6 +42,7 @@ from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
 from shared.cluster.membership import LastKnown, Member, live_members
 from shared.errors import KVMissError, KVStoreError, KVUnavailableError, TransportError
+from shared.kvstore.device_buffers import nbytes
 from shared.kvstore.node_client import Layers, NodeClient
 from shared.kvstore.placement import rank
 from shared.kvstore.protocol import BlockSpec
@@ -288,7 +289,7 @@ class KVStoreClient:
 
         A node that fails is skipped and the put is made again on the new ranking
         (replicas that have a block already keep it)."""
-        views = [as_bytes_view(b) for b in blocks]
+        sizes = [nbytes(b) for b in blocks]
         failed: list[TransportError] = []
         for _ in await self._attempts():
             ranked = await self._ranked(ids)
@@ -301,8 +302,8 @@ class KVStoreClient:
             results = await asyncio.gather(
                 *(
                     nodes[n].put(
-                        [BlockSpec(id=ids[p], size=views[p].nbytes) for p in positions],
-                        [views[p] for p in positions],
+                        [BlockSpec(id=ids[p], size=sizes[p]) for p in positions],
+                        [blocks[p] for p in positions],
                         num_layers,
                     )
                     for n, positions in per_node.items()

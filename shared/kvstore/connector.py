@@ -300,8 +300,11 @@ class KVStoreConnector(KVConnector):
                 continue
             if job.whole_blocks and not last:
                 continue
-            part = None if job.whole_blocks else layer
-            self.tasks.dispatch(job, LayerItem(part, idxs, self.copies.from_pool(slots, part)))
+            if job.whole_blocks:  # in place (a CUDA pool's by DMA): end_step waits for them
+                item = LayerItem(None, idxs, self.copies.blocks(slots))
+            else:
+                item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer))
+            self.tasks.dispatch(job, item)
 
     def _plan_step(self, step: SchedulerOutput) -> list[tuple[PutJob, list[int], list[Slot]]]:
         """Per request with a put: the blocks that become final in this step (every

@@ -25,27 +25,30 @@ Ownership and when bytes are safe:
   this client unmaps them.
 
 Buffers are anything :func:`~shared.transport.base.as_bytes_view` accepts
-(numpy, memoryview, CPU torch tensors of any dtype). CUDA tensors would be
-handled here too (a DMA from the store's pinned mapping); nothing outside this
+(numpy, memoryview, CPU torch tensors of any dtype), and contiguous CUDA
+tensors: those move by DMA between the device and the mapping, which is
+registered with CUDA (pinned) in this process at the first such copy
+(:class:`~shared.kvstore.device_buffers.DeviceDMA`); nothing outside this
 module converts buffers for local copies.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import mmap
 import os
 import socket
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from shared.errors import ProtocolError
+from shared.kvstore.device_buffers import DeviceDMA, flat_bytes, is_device, nbytes, uncancellable
 from shared.transport.base import Buffer, as_bytes_view
 
 log = logging.getLogger(__name__)
@@ -62,24 +65,6 @@ def host_identity() -> str | None:
     except OSError:
         return None
     return f"{boot}/{socket.gethostname()}" if boot else None
-
-
-async def _uncancellable(run: Callable[[], None]) -> None:
-    """Run ``run`` in a thread and wait until it finished, cancelled or not.
-
-    The store unpins the blocks when told (or when the connection closes), so a
-    copy must never be left running behind a cancelled caller. A cancellation
-    that arrived meanwhile is re-raised afterwards."""
-    future = asyncio.get_running_loop().run_in_executor(None, run)
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.shield(future)  # raises the copy's own error, if any
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    future.result()  # a copy error, if any
 
 
 @dataclass(frozen=True)
@@ -103,7 +88,7 @@ async def _copy_all(copies: Sequence[_Copy]) -> None:
     if sum(c.src.nbytes for c in copies) < THREAD_MIN_BYTES:
         _run(copies)  # no await: nothing can interrupt it halfway
     else:  # large: off the event loop (numpy drops the GIL while it copies)
-        await _uncancellable(lambda: _run(copies))
+        await uncancellable(lambda: _run(copies))
 
 
 class LocalArena:
@@ -114,6 +99,9 @@ class LocalArena:
         self.size = len(mapping)
         self._map = mapping
         self._bytes = np.frombuffer(mapping, dtype=np.uint8)
+        self._dma = DeviceDMA()
+        self._tensor: Any = None  # the mapping as a torch tensor, once a CUDA copy needs it
+        self._registered = False
 
     @classmethod
     def open(cls, path: str, size: int) -> LocalArena:
@@ -173,17 +161,55 @@ class LocalArena:
         self, dsts: Sequence[Buffer], offsets: Sequence[int], sizes: Sequence[int] | None = None
     ) -> None:
         """:meth:`read_into` for each pair; ``sizes``: what the store said each block is.
+        CUDA tensors among ``dsts`` are filled by DMA.
 
         Raises ValueError, before copying anything, if the buffers do not fit.
-        Returns only once every copy finished (see :func:`_uncancellable`)."""
-        await _copy_all(self._reads(dsts, offsets, sizes))
+        Returns only once every copy finished (see
+        :func:`~shared.kvstore.device_buffers.uncancellable`)."""
+        _paired(dsts, offsets)
+        if sizes is not None and [nbytes(d) for d in dsts] != list(sizes):
+            got = [nbytes(d) for d in dsts]
+            raise ValueError(f"receive buffers {got[:8]}... do not match the blocks {sizes[:8]}...")
+        device = [(d, o) for d, o in zip(dsts, offsets, strict=True) if is_device(d)]
+        host = [(d, o) for d, o in zip(dsts, offsets, strict=True) if not is_device(d)]
+        copies = self._reads([d for d, _ in host], [o for _, o in host], None)
+        pairs = [(flat_bytes(d), self._device_region(o, nbytes(d))) for d, o in device]
+        await _copy_all(copies)
+        await self._dma.copy(pairs)
 
     async def write_many(self, srcs: Sequence[Buffer], offsets: Sequence[int]) -> None:
-        """:meth:`write_from` for each pair; returns only once every copy finished."""
-        await _copy_all(self._writes(srcs, offsets))
+        """:meth:`write_from` for each pair (CUDA tensors by DMA); returns only once every
+        copy finished."""
+        _paired(srcs, offsets)
+        device = [(s, o) for s, o in zip(srcs, offsets, strict=True) if is_device(s)]
+        host = [(s, o) for s, o in zip(srcs, offsets, strict=True) if not is_device(s)]
+        copies = self._writes([s for s, _ in host], [o for _, o in host])
+        pairs = [(self._device_region(o, nbytes(s)), flat_bytes(s)) for s, o in device]
+        await _copy_all(copies)
+        await self._dma.copy(pairs)
+
+    def _device_region(self, offset: int, size: int) -> Any:
+        """Bytes ``[offset, offset + size)`` of the mapping as a CPU tensor a CUDA copy can
+        DMA from or to: the mapping is registered (pinned) with CUDA once, here."""
+        self._region(offset, size)  # bounds
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            code = torch.cuda.cudart().cudaHostRegister(self._tensor.data_ptr(), self.size, 0)
+            self._registered = int(code) == 0
+            if not self._registered:  # still correct, at pageable-copy speed
+                log.warning("could not pin %s for DMA (CUDA error %s)", self.path, int(code))
+        return self._tensor[offset : offset + size]
 
     def close(self) -> None:
         """Unmap; later copies fail. Call only when no copy runs."""
+        if self._tensor is not None:
+            if self._registered:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
+            self._tensor = None
         self._bytes = np.empty(0, dtype=np.uint8)
         self.size = 0
         try:

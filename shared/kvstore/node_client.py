@@ -40,6 +40,7 @@ from shared.errors import (
     TransportTimeoutError,
 )
 from shared.kvstore import local_arena
+from shared.kvstore.device_buffers import DeviceDMA, nbytes
 from shared.kvstore.local_arena import LocalArena
 from shared.kvstore.protocol import (
     Ack,
@@ -63,7 +64,7 @@ from shared.kvstore.protocol import (
     decode_response,
     encode,
 )
-from shared.transport.base import Buffer, Connection, Transport, as_bytes_view
+from shared.transport.base import Buffer, Connection, Transport
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class NodeClient:
         self._arena: LocalArena | None = None  # the node's arena, once a hello named it
         self._replaced: list[LocalArena] = []  # arenas of a restarted node, unmapped at close
         self._unusable: set[str] = set()  # arena paths that could not be mapped here
+        self._dma = DeviceDMA()  # CUDA buffers sent or received by socket bounce through it
 
     @property
     def instance_id(self) -> str:
@@ -254,7 +256,7 @@ class NodeClient:
                     link.conn, link.arena, specs, segments, num_layers, ttl_s
                 )
             req = Put(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s)
-            await link.conn.send(encode(req), segments)
+            await link.conn.send(encode(req), await self._dma.to_host(segments))
             return list(_raise_for(await self._reply(link.conn)).statuses or [])
 
     async def _put_local(
@@ -266,15 +268,14 @@ class NodeClient:
         num_layers: int,
         ttl_s: float,
     ) -> list[BlockStatus]:
-        views = [as_bytes_view(s) for s in segments]
-        if [v.nbytes for v in views] != [s.size for s in specs]:
+        if [nbytes(s) for s in segments] != [s.size for s in specs]:
             raise KVBadRequestError(f"put of {len(specs)} blocks needs one segment per block")
         req = Put(blocks=list(specs), num_layers=num_layers, ttl_s=ttl_s, local=True)
         await conn.send(encode(req))
         resp = _raise_for(await self._reply(conn))
         if resp.offsets is None or len(resp.offsets) != len(specs):
             raise ProtocolError(f"a local put needs {len(specs)} arena offsets")
-        fresh = [(v, o) for v, o in zip(views, resp.offsets, strict=True) if o is not None]
+        fresh = [(v, o) for v, o in zip(segments, resp.offsets, strict=True) if o is not None]
         await arena.write_many([v for v, _ in fresh], [o for _, o in fresh])
         await conn.send(encode(Ack()))
         _raise_for(await self._reply(conn))  # committed
@@ -291,15 +292,15 @@ class NodeClient:
         async with self._connection() as link:
             conn, arena = link.conn, link.arena
             if arena is None:
-                await conn.send(encode(Write(ids=list(ids), layers=_range(layers))), segments)
+                host = await self._dma.to_host(segments)
+                await conn.send(encode(Write(ids=list(ids), layers=_range(layers))), host)
                 _raise_for(await self._reply(conn))
                 return
-            views = [as_bytes_view(s) for s in segments]
-            sizes = [v.nbytes for v in views]
+            sizes = [nbytes(s) for s in segments]
             req = Write(ids=list(ids), layers=_range(layers), local=True, sizes=sizes)
             await conn.send(encode(req))
             offsets = _offsets(_raise_for(await self._reply(conn)), len(ids))
-            await arena.write_many(views, offsets)
+            await arena.write_many(segments, offsets)
             await conn.send(encode(Ack()))
 
     async def commit(self, ids: Sequence[str]) -> None:
@@ -340,7 +341,9 @@ class NodeClient:
                 _raise_for(resp)
             try:
                 if arena is None:
-                    await conn.recv_segments(frame, into)
+                    landing = self._dma.host_landing(into)
+                    await conn.recv_segments(frame, landing)
+                    await self._dma.land(into, landing)
                     return
                 offsets, sizes = _offsets(resp, len(ids)), _sizes(resp, len(ids))
                 try:

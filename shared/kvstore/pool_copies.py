@@ -50,10 +50,11 @@ class Ready:
 
 
 @dataclass(eq=False)
-class HostCopy:
-    """Slot bytes as the transports read them: ``buffers`` (one flat ``uint8`` row per
-    slot) are safe to read once ``ready`` is done. ``reads_pool``: the buffers are the
-    slots' own bytes, so the slots must not change until the reader is done."""
+class SlotBytes:
+    """Slot bytes as the store client reads or writes them: ``buffers`` (one flat
+    ``uint8`` row per slot, host memory or, for a CUDA pool's own blocks, device memory)
+    are safe to use once ``ready`` is done. ``reads_pool``: the buffers are the slots'
+    own bytes, so the slots must not change until the transfer is done."""
 
     buffers: list[torch.Tensor]
     ready: Ready = field(default_factory=Ready)
@@ -81,10 +82,20 @@ class PoolCopies(ABC):
     @abstractmethod
     def from_pool(
         self, slots: Sequence[Slot], layer: int | None = None, out: torch.Tensor | None = None
-    ) -> HostCopy:
+    ) -> SlotBytes:
         """The slots' bytes (``layer`` of each, or whole blocks) as they are once the work
         queued so far on the calling thread's stream is done. ``out``: host rows to copy
         into (``[len(slots), nbytes]`` ``uint8``); None: wherever is cheapest."""
+
+    def blocks(self, slots: Sequence[Slot]) -> SlotBytes:
+        """The slots' whole blocks in place, for a transfer that reads or fills them
+        directly (the store client moves a CUDA pool's by DMA): ready once the work
+        queued so far on the calling thread's stream is done."""
+        rows = [self.pool.block(s).reshape(-1).view(torch.uint8) for s in slots]
+        return SlotBytes(rows, self._produced(), reads_pool=True)
+
+    def _produced(self) -> Ready:
+        return Ready()
 
     @abstractmethod
     def landing(self, slots: Sequence[Slot]) -> Landing:
@@ -121,16 +132,16 @@ class InPlace(PoolCopies):
 
     def from_pool(
         self, slots: Sequence[Slot], layer: int | None = None, out: torch.Tensor | None = None
-    ) -> HostCopy:
+    ) -> SlotBytes:
         p = self.pool.pool
         rows = [
             (p[s] if layer is None else p[s, layer]).reshape(-1).view(torch.uint8) for s in slots
         ]
         if out is None:
-            return HostCopy(rows, reads_pool=True)
+            return SlotBytes(rows, reads_pool=True)
         for dst, src in zip(out, rows, strict=False):
             dst.copy_(src)
-        return HostCopy(list(out[: len(rows)]))
+        return SlotBytes(list(out[: len(rows)]))
 
     def landing(self, slots: Sequence[Slot]) -> Landing:
         return Landing(list(slots), [self.pool.block(s) for s in slots])
@@ -147,6 +158,11 @@ class Staged(PoolCopies):
         self.stream = torch.cuda.Stream(self.device)
         self._last_save: torch.cuda.Event | None = None
 
+    def _produced(self) -> Ready:
+        produced = torch.cuda.Event(blocking=True)
+        produced.record(torch.cuda.current_stream(self.device))
+        return Ready(produced)
+
     def _index(self, slots: Sequence[Slot]) -> torch.Tensor:
         """The slots as a device index, copied without blocking the calling thread."""
         host = torch.tensor(list(slots), dtype=torch.int64).pin_memory()
@@ -158,7 +174,7 @@ class Staged(PoolCopies):
 
     def from_pool(
         self, slots: Sequence[Slot], layer: int | None = None, out: torch.Tensor | None = None
-    ) -> HostCopy:
+    ) -> SlotBytes:
         n = len(slots)
         nbytes = self.layout.block_bytes if layer is None else self.layout.layer_bytes
         produced = torch.cuda.Event()
@@ -171,7 +187,7 @@ class Staged(PoolCopies):
             host.copy_(gathered.reshape(n, -1).view(torch.uint8), non_blocking=True)
             done.record(self.stream)
         self._last_save = done
-        return HostCopy(list(host), Ready(done))
+        return SlotBytes(list(host), Ready(done))
 
     def landing(self, slots: Sequence[Slot]) -> Landing:
         host = _pinned(len(slots), self.layout.block_bytes)

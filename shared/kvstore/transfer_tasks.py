@@ -115,21 +115,17 @@ class TransferTasks:
         pool, copies = self._pool(), self._copies()
         layout = pool.layout
         started = time.perf_counter()
-        landing = copies.landing(load.slots)
         error: BaseException | None = None
         try:
-            async for layer in self.kv.stream(
-                load.ids, landing.rows, num_layers=layout.num_layers, wait_s=load.wait_s
-            ):
-                # in-step loads land layer by layer (the engine orders its compute after
-                # each); an asynchronous one lands whole once every layer arrived
-                ready = Ready() if load.asynchronous else copies.layer_to_pool(landing, layer)
+            if load.asynchronous and copies.staged:
+                # a CUDA pool waits for the whole load anyway: the committed blocks go
+                # straight into the slots (by DMA from a same-host store's pinned arena)
+                into = copies.blocks(load.slots)
+                await self.kv.get(load.ids, into.buffers, wait_s=load.wait_s)
                 with self.cond:
-                    load.layer_ready.append(ready)
-                    load.layers = layer + 1
-                    self.cond.notify_all()
-            if load.asynchronous:
-                await copies.blocks_to_pool(landing).wait()
+                    load.layers = layout.num_layers
+            else:
+                await self._stream_layers(load, copies)
         except TRANSFER_ERRORS as exc:
             error = exc
         except Exception as exc:  # a bug must not leave the engine waiting forever
@@ -137,7 +133,7 @@ class TransferTasks:
             error = exc
         finally:
             await release(load.lease)
-        self._observe_load(load, len(landing.rows) * layout.block_bytes, started, error)
+        self._observe_load(load, len(load.slots) * layout.block_bytes, started, error)
         with self.cond:
             load.error, load.done = error, True
             abandoned = load.abandoned
@@ -149,6 +145,22 @@ class TransferTasks:
         elif load.asynchronous:
             self.events.failed(load.request_id)
         self._wake()
+
+    async def _stream_layers(self, load: Load, copies: PoolCopies) -> None:
+        """Layers as the store streams them (the decode side pulls while prefill still
+        writes): in-step loads land layer by layer, the engine ordering its compute
+        after each; an asynchronous one lands whole once every layer arrived."""
+        landing = copies.landing(load.slots)
+        async for layer in self.kv.stream(
+            load.ids, landing.rows, num_layers=self._pool().layout.num_layers, wait_s=load.wait_s
+        ):
+            ready = Ready() if load.asynchronous else copies.layer_to_pool(landing, layer)
+            with self.cond:
+                load.layer_ready.append(ready)
+                load.layers = layer + 1
+                self.cond.notify_all()
+        if load.asynchronous:
+            await copies.blocks_to_pool(landing).wait()
 
     def _observe_load(
         self, load: Load, nbytes: int, started: float, error: BaseException | None
@@ -283,9 +295,9 @@ class TransferTasks:
                     ttl_s=self.put_ttl_s,
                 )
                 try:
-                    copy = self._copies().from_pool(slots or [])
-                    await copy.ready.wait()
-                    await put.write(ids, copy.buffers)
+                    blocks = self._copies().blocks(slots or [])
+                    await blocks.ready.wait()
+                    await put.write(ids, blocks.buffers)
                     await put.commit()
                 except BaseException:
                     await put.revoke()

@@ -21,7 +21,7 @@ from shared.engine.kv_cache_manager import Slot
 from shared.engine.kv_connector import ConnectorEvents
 from shared.engine.request import RequestId
 from shared.kvstore.client import LeaseSet, PutHandle
-from shared.kvstore.pool_copies import HostCopy, Ready
+from shared.kvstore.pool_copies import Ready, SlotBytes
 
 
 @dataclass(eq=False)
@@ -58,7 +58,7 @@ class LayerItem:
 
     layer: int | None
     indices: list[int]
-    copy: HostCopy
+    copy: SlotBytes
 
 
 @dataclass(eq=False)

@@ -97,6 +97,7 @@ async def make_client(
         replication: int = 1,
         timeout_s: float = 10.0,
         secret: str | None = None,
+        shm: bool = True,
     ) -> KVStoreClient:
         client = KVStoreClient(
             transports[transport],
@@ -106,6 +107,7 @@ async def make_client(
             timeout_s=timeout_s,
             refresh_s=0.1,
             secret=ClusterSecret(secret),
+            shm=shm,
         )
         clients.append(client)
         return client

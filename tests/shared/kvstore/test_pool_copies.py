@@ -98,3 +98,20 @@ def test_staged_copy_out_sees_the_compute_queued_before_it() -> None:
     asyncio.run(out.ready.wait())
     want = torch.full(LAYOUT.block_shape, 1.5, dtype=torch.bfloat16)
     assert torch.equal(out.buffers[0], want.reshape(-1).view(torch.uint8))
+
+
+def test_blocks_are_the_slots_own_bytes() -> None:
+    pool = filled_pool("cpu")
+    rows = pool_copies(pool).blocks(slots(2, 8))
+    assert rows.reads_pool and rows.ready.done
+    assert rows.buffers[1].data_ptr() == pool.pool[8].data_ptr()
+    assert rows.buffers[0].numel() == LAYOUT.block_bytes
+
+
+@cuda
+def test_staged_blocks_are_device_rows_ready_after_the_queued_compute() -> None:
+    pool = filled_pool("cuda")
+    rows = pool_copies(pool).blocks(slots(4))
+    assert rows.reads_pool and rows.buffers[0].is_cuda
+    asyncio.run(rows.ready.wait())
+    assert torch.equal(rows.buffers[0].cpu(), host_bytes(pool, 4))
