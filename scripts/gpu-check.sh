@@ -58,7 +58,9 @@ sys.exit(0 if sha256_file(sys.argv[1]) == DEFAULT_MODEL.sha256 else 1)" "$MODEL.
     "$PY" -c "import services.gateway.app, services.prefill.app, services.decode.app, \
 services.kvstore.app, shared.transport.tcp; print('gpu-check: every service imports')"
     "$PY" -m pytest -q -p no:cacheprovider tests/shared/kernels/test_triton_kernels.py \
-      tests/shared/kvstore/test_pool_copies.py 2>&1 | tee "$OUT_DIR/unit-tests.log"
+      tests/shared/kvstore/test_pool_copies.py tests/shared/kvstore/test_device_buffers.py \
+      tests/services/kvstore/test_device_buffers.py tests/services/kvstore/test_arena_cuda.py \
+      2>&1 | tee "$OUT_DIR/unit-tests.log"
     exit 3
   fi
 fi
