@@ -82,7 +82,9 @@ def device_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu": cpu,
         "cpus": os.cpu_count(),
-        "commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+        # the device gets the working tree without its history: the caller names it
+        "commit": os.environ.get("BATON_CHECK_COMMIT")
+        or _run(["git", "rev-parse", "--short", "HEAD"]),
     }
 
 

@@ -173,7 +173,7 @@ class LocalArena:
         device = [(d, o) for d, o in zip(dsts, offsets, strict=True) if is_device(d)]
         host = [(d, o) for d, o in zip(dsts, offsets, strict=True) if not is_device(d)]
         copies = self._reads([d for d, _ in host], [o for _, o in host], None)
-        pairs = [(flat_bytes(d), self._device_region(o, nbytes(d))) for d, o in device]
+        pairs = [(b, a) for a, b in self._device_runs(device)]
         await _copy_all(copies)
         await self._dma.copy(pairs)
 
@@ -184,9 +184,37 @@ class LocalArena:
         device = [(s, o) for s, o in zip(srcs, offsets, strict=True) if is_device(s)]
         host = [(s, o) for s, o in zip(srcs, offsets, strict=True) if not is_device(s)]
         copies = self._writes([s for s, _ in host], [o for _, o in host])
-        pairs = [(self._device_region(o, nbytes(s)), flat_bytes(s)) for s, o in device]
+        pairs = self._device_runs(device)
         await _copy_all(copies)
         await self._dma.copy(pairs)
+
+    def _device_runs(self, device: Sequence[tuple[Buffer, int]]) -> list[tuple[Any, Any]]:
+        """``(arena bytes, device bytes)`` per run of CUDA buffers that continue one
+        another in device memory while their offsets continue in the arena (consecutive
+        pool slots to consecutive arena slots): one DMA each, and Python's per-block
+        work cut to reading two integers."""
+        runs: list[tuple[Any, int, int]] = []  # (first buffer, offset, bytes)
+        end_ptr = end_offset = -1
+        storage = None
+        for buf, offset in device:
+            size, ptr = nbytes(buf), buf.data_ptr()
+            here = buf.untyped_storage().data_ptr()
+            if runs and ptr == end_ptr and offset == end_offset and here == storage:
+                first, start, total = runs[-1]
+                runs[-1] = (first, start, total + size)
+            else:
+                runs.append((buf, offset, size))
+                storage = here
+            end_ptr, end_offset = ptr + size, offset + size
+        import torch
+
+        return [
+            (
+                self._device_region(offset, total),
+                torch.as_strided(flat_bytes(first), (total,), (1,)),
+            )
+            for first, offset, total in runs
+        ]
 
     def _device_region(self, offset: int, size: int) -> Any:
         """Bytes ``[offset, offset + size)`` of the mapping as a CPU tensor a CUDA copy can

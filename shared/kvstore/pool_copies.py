@@ -91,8 +91,12 @@ class PoolCopies(ABC):
         """The slots' whole blocks in place, for a transfer that reads or fills them
         directly (the store client moves a CUDA pool's by DMA): ready once the work
         queued so far on the calling thread's stream is done."""
-        rows = [self.pool.block(s).reshape(-1).view(torch.uint8) for s in slots]
-        return SlotBytes(rows, self._produced(), reads_pool=True)
+        rows = self._block_bytes()
+        return SlotBytes([rows[s] for s in slots], self._produced(), reads_pool=True)
+
+    def _block_bytes(self) -> torch.Tensor:
+        """The pool as ``[num_blocks, block_bytes]`` ``uint8`` rows (a view)."""
+        return self.pool.pool.view(self.pool.num_blocks, -1).view(torch.uint8)
 
     def _produced(self) -> Ready:
         return Ready()

@@ -23,10 +23,18 @@ from tests.conftest import EngineFactory
 TRANSPORTS = ["tcp", "ucx"]
 
 
+class Transports(dict[str, Transport]):
+    """Each transport made at its first use (a machine without UCXX runs the TCP tests)."""
+
+    def __missing__(self, name: str) -> Transport:
+        self[name] = made = make_transport(name)
+        return made
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def transports() -> AsyncIterator[dict[str, Transport]]:
     """One transport of each kind per test process (UCXX keeps one context per process)."""
-    made = {name: make_transport(name) for name in TRANSPORTS}
+    made = Transports()
     yield made
     for transport in made.values():
         await transport.shutdown()
