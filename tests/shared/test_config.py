@@ -37,7 +37,7 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
         ("BATON_NUM_THREADS", "0"),
         ("BATON_ATTENTION", "flash"),
         ("BATON_LINEAR", "mkl"),
-        ("BATON_POINTWISE", "triton"),
+        ("BATON_POINTWISE", "cuda"),
         ("BATON_KV_HUGE_PAGES", "yes"),
         ("BATON_ENGINE_CPUS", "1-3"),
     ],
