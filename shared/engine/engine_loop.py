@@ -23,8 +23,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import torch
 
 from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine
@@ -82,6 +84,27 @@ class LoopStats:
     thread_changes: int = 0
     recent_step_s: float = 0.0  # mean of the recent steps' durations, weighted to the last
     last_step_end: float = 0.0  # time.perf_counter()
+    # step seconds by the thread count they ran on (a step may shrink between layers)
+    thread_seconds: dict[int, float] = field(default_factory=dict)
+    _counting_since: float | None = None  # inside a step: when the current count began
+
+    def step_started(self, threads: int, now: float) -> None:
+        self.threads, self._counting_since = threads, now
+
+    def threads_changed(self, threads: int, now: float) -> None:
+        """Between two layers of a step (or before one): the count from now on."""
+        self._count(now)
+        self.threads = threads
+
+    def step_ended(self, now: float) -> None:
+        self._count(now)
+        self._counting_since = None
+
+    def _count(self, now: float) -> None:
+        if self._counting_since is not None:
+            spent = now - self._counting_since
+            self.thread_seconds[self.threads] = self.thread_seconds.get(self.threads, 0.0) + spent
+            self._counting_since = now
 
     def observe_step(self, seconds: float, end: float) -> None:
         self.steps += 1
@@ -243,9 +266,11 @@ class EngineLoop:
         if self.threads is not None:
             self._use_threads(self.threads.decide())
         t0 = time.perf_counter()
+        self.stats.step_started(self.stats.threads or torch.get_num_threads(), t0)
         outputs = self.engine.step()
         end = time.perf_counter()
         dt = end - t0
+        self.stats.step_ended(end)
         if self.engine.last_step_tokens:
             self.stats.observe_step(dt, end)
             if self.on_step is not None:
@@ -258,7 +283,7 @@ class EngineLoop:
     def _use_threads(self, n: int) -> None:
         if n != self.stats.threads:
             self.engine.set_num_threads(n)
-            self.stats.threads = n
+            self.stats.threads_changed(n, time.perf_counter())
         if self.threads is not None:
             self.stats.thread_changes = self.threads.changes
 

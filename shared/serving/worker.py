@@ -206,6 +206,7 @@ class Worker:
         if self._loop is not None:
             self.metrics.observe_engine(self._loop.snapshot, len(self.in_flight))
             self.metrics.threads.set(self._loop.stats.threads or self.baton.num_threads or 0)
+            self.metrics.observe_thread_seconds(self._loop.stats.thread_seconds)
 
     def _load(self) -> dict[str, float]:
         snap = self.loop.snapshot

@@ -69,6 +69,13 @@ class WorkerMetrics:
         self.threads = Gauge(
             "baton_engine_threads", "Threads the last engine step ran on", registry=r
         )
+        self.thread_seconds = Counter(
+            "baton_engine_thread_seconds",
+            "Engine step time by the number of threads it ran on",
+            ["threads"],
+            registry=r,
+        )
+        self._thread_seconds_seen: dict[int, float] = {}
         self.info = Gauge(
             "baton_instance_info",
             "This instance (always 1): join on it to split series by role",
@@ -112,6 +119,14 @@ class WorkerMetrics:
     def observe_step(self, seconds: float, tokens: int) -> None:
         self.step_s.observe(seconds)
         self.step_tokens.inc(tokens)
+
+    def observe_thread_seconds(self, totals: dict[int, float]) -> None:
+        """The engine loop's running totals (step seconds by thread count) into the counter."""
+        for threads, total in list(totals.items()):
+            seen = self._thread_seconds_seen.get(threads, 0.0)
+            if total > seen:
+                self.thread_seconds.labels(str(threads)).inc(total - seen)
+                self._thread_seconds_seen[threads] = total
 
     def observe_engine(self, snap: EngineSnapshot, in_flight: int) -> None:
         """The gauges, from the engine's latest snapshot."""
