@@ -57,6 +57,8 @@ def prefill_figures(url: str) -> dict[str, float]:
     for name in ("compute", "queue"):
         m = re.search(rf"^baton_prefill_{name}_seconds_sum (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
+    m = re.search(r"^baton_engine_step_seconds_sum (\S+)$", text, re.M)
+    out["steps"] = float(m.group(1)) if m else 0.0
     for m in re.finditer(
         r'^baton_engine_thread_seconds_total\{threads="(\d+)"\} (\S+)$', text, re.M
     ):
@@ -70,6 +72,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument(
+        "--max-threads", type=int, default=None, help="prefill's elastic ceiling (default: CPUs)"
+    )
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -91,7 +97,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with bench_cluster(
         args.logs, "served-prefill", env, transport=args.transport, dtype=args.dtype,
-        threads=1, max_threads=cpus,
+        threads=args.threads, max_threads=args.max_threads or cpus,
     ) as local:  # fmt: skip
         prefill = next(
             f"http://127.0.0.1:{s.http_port}" for s in local.specs if s.role == "prefill"
@@ -118,6 +124,7 @@ def main() -> None:
                     "generate_ttft_s": statistics.median(local_ttft),
                     "prefill_queue_s": spent.pop("queue"),
                     "prefill_compute_s": spent.pop("compute"),
+                    "prefill_steps_s": spent.pop("steps"),
                     "prefill_step_s_by_threads": spent,
                     "samples": {"served": served, "generate": local_ttft},
                 }
@@ -134,7 +141,8 @@ def main() -> None:
                     f"generate ({cpus} threads) {row['generate_ttft_s'] * 1e3:7.1f} ms  "
                     f"ratio {row['ratio']:.2f}  | prefill queue "
                     f"{row['prefill_queue_s'] * 1e3:.1f} ms, compute "
-                    f"{row['prefill_compute_s'] * 1e3:.1f} ms ({by_threads}), elsewhere "
+                    f"{row['prefill_compute_s'] * 1e3:.1f} ms (steps "
+                    f"{row['prefill_steps_s'] * 1e3:.1f} ms: {by_threads}), elsewhere "
                     f"{row['outside_prefill_s'] * 1e3:.1f} ms",
                     flush=True,
                 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
@@ -41,6 +42,7 @@ from shared.serving.worker_metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK_TOKENS = 256
+PREFILL_STAGING_BLOCKS = 128
 
 
 class PrefillMetrics:
@@ -82,8 +84,19 @@ class Prefiller(Worker):
             pull_policy=self.settings.pull_policy,
             put_ttl_s=self.settings.put_ttl_s,
             replicate=False,
-            staging_blocks=0,  # prefill writes prompts from the pool; it never replicates
+            # staging for whole-block writes (a step on every core sends its blocks whole
+            # at its end): a 2,048-token step's worth, so the step never waits for them
+            staging_blocks=PREFILL_STAGING_BLOCKS,
+            layerwise=self._core_left_for_transfers,
         )
+
+    def _core_left_for_transfers(self) -> bool:
+        """Stream a step's KV layer by layer only while the step leaves a core to the
+        transfers: on every core (a lone prompt, elastic threads at their ceiling), the
+        transfers' CPU slows the step more than their overlap saves (measured on 2
+        cores: 512 tokens 274 vs 193 ms of compute), so the blocks go whole at its end."""
+        threads = self._loop.stats.threads if self._loop is not None else 0
+        return 0 < threads < len(os.sched_getaffinity(0))
 
     def engine_config(self) -> EngineConfig:
         """Prompt chunks capped at :data:`PREFILL_CHUNK_TOKENS` unless

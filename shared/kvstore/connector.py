@@ -45,7 +45,7 @@ from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
 from shared.kvstore.client import KVStoreClient, LeaseSet
 from shared.kvstore.connector_metrics import ConnectorMetrics
-from shared.kvstore.pool_copies import PoolCopies, pool_copies
+from shared.kvstore.pool_copies import PoolCopies, SlotBytes, pool_copies
 from shared.kvstore.pull_cost import PullCost, PullPolicy
 from shared.kvstore.replicator import Replicator
 from shared.kvstore.transfer_tasks import TransferTasks, release, retrieve
@@ -92,7 +92,13 @@ class KVStoreConnector(KVConnector):
         put_ttl_s: float = 300.0,
         load_timeout_s: float = 180.0,
         staging_blocks: int = 64,
+        layerwise: Callable[[], bool] | None = None,
     ):
+        """``layerwise``: asked on the engine thread as each step begins, whether its
+        prompt blocks may go to the store layer by layer while the next layers compute
+        (None: always); False sends them whole once the step's last layer is done, for
+        a step that keeps every core busy and would lose more to the transfers'
+        CPU than it gains from the overlap."""
         self.kv = kv
         self.metrics = metrics
         self.caching = caching
@@ -101,6 +107,8 @@ class KVStoreConnector(KVConnector):
         self.put_ttl_s = put_ttl_s
         self.load_timeout_s = load_timeout_s
         self.staging_blocks = staging_blocks
+        self.layerwise = layerwise
+        self._step_whole = False  # this step's put jobs send whole blocks at its end
         self.tasks = TransferTasks(kv, metrics, put_ttl_s=put_ttl_s)
         self.layout: KVLayout  # set by bind()
         self.pull: PullCost  # set by bind()
@@ -291,6 +299,7 @@ class KVStoreConnector(KVConnector):
 
     def save_layer(self, layer: int, step: SchedulerOutput) -> None:
         if layer == 0:
+            self._step_whole = self.layerwise is not None and not self.layerwise()
             self._step_plan = self._plan_step(step)
             self.replicator.stage(step, self._stored_ids)
         last = layer == self.layout.num_layers - 1
@@ -298,18 +307,41 @@ class KVStoreConnector(KVConnector):
             if job.request_id in self._poisoned:
                 job.next_block = min(job.next_block, job.step_start)  # rewrite them on retry
                 continue
-            if job.whole_blocks and not last:
+            whole = job.whole_blocks or self._step_whole
+            if whole and not last:
                 continue
-            if job.whole_blocks:  # in place (a CUDA pool's by DMA): end_step waits for them
-                item = LayerItem(None, idxs, self.copies.blocks(slots))
+            if whole:
+                item = LayerItem(None, idxs, self._whole_blocks(slots))
             else:
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer))
             self.tasks.dispatch(job, item)
 
+    def _whole_blocks(self, slots: list[Slot]) -> SlotBytes:
+        """A put's whole blocks: copied into staging buffers when enough are free (a
+        memcpy here, and the step ends without waiting for the store), else the slots'
+        own bytes (a CUDA pool's go by DMA), which end_step waits for."""
+        staging = self.tasks.staging
+        taken = staging.take_many(len(slots)) if staging is not None else None
+        if staging is None or taken is None:
+            return self.copies.blocks(slots)
+        rows = staging.buffers
+        copies = [
+            self.copies.from_pool([s], out=rows[i : i + 1])
+            for s, i in zip(slots, taken, strict=True)
+        ]
+
+        def give_back() -> None:
+            for i in taken:
+                staging.give(i)
+
+        return SlotBytes([rows[i] for i in taken], copies[-1].ready, done=give_back)
+
     def _plan_step(self, step: SchedulerOutput) -> list[tuple[PutJob, list[int], list[Slot]]]:
         """Per request with a put: the blocks that become final in this step (every
         block whose last token is computed now; on the prompt's last chunk, the partial
-        tail too) and the store lacks."""
+        tail too) and the store lacks. A step that sends whole blocks at its end defers
+        an earlier chunk's blocks to the prompt's last chunk: written while the next
+        chunk computes, they would take the CPU it computes on."""
         bs = self.layout.block_size
         out = []
         for s in step.scheduled:
@@ -318,7 +350,10 @@ class KVStoreConnector(KVConnector):
             if job is None:
                 continue
             end = s.request.num_computed_tokens + s.num_new_tokens
-            final = cdiv(end, bs) if end >= s.request.num_prompt_tokens else end // bs
+            last_chunk = end >= s.request.num_prompt_tokens
+            if self._step_whole and not last_chunk:
+                continue
+            final = cdiv(end, bs) if last_chunk else end // bs
             final = min(final, len(job.ids))
             job.step_start = job.next_block
             idxs = [i for i in range(job.next_block, final) if i in job.needed]

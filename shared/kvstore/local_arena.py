@@ -115,7 +115,9 @@ class LocalArena:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise ValueError(f"{path} is not a {size}-byte file as the store said")
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # page tables filled now (~0.4 s per GiB), not one fault per page mid-copy
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return cls(path, mapping)

@@ -143,6 +143,7 @@ class NodeClient:
         self._replaced: list[LocalArena] = []  # arenas of a restarted node, unmapped at close
         self._unusable: set[str] = set()  # arena paths that could not be mapped here
         self._dma = DeviceDMA()  # CUDA buffers sent or received by socket bounce through it
+        self._adopting = asyncio.Lock()  # connections opened together map the arena once
 
     @property
     def instance_id(self) -> str:
@@ -192,10 +193,14 @@ class NodeClient:
         except KVStoreError:
             await conn.close()
             raise
-        return _Link(conn, self._adopt(resp.arena) if self.shm else None)
+        return _Link(conn, await self._adopt(resp.arena) if self.shm else None)
 
-    def _adopt(self, shared: SharedArena | None) -> LocalArena | None:
+    async def _adopt(self, shared: SharedArena | None) -> LocalArena | None:
         """The mapping of the arena a hello reply named, if it is on this host and mappable."""
+        async with self._adopting:
+            return await self._adopt_locked(shared)
+
+    async def _adopt_locked(self, shared: SharedArena | None) -> LocalArena | None:
         if shared is None or shared.path in self._unusable:
             return None
         current = self._arena
@@ -206,7 +211,7 @@ class NodeClient:
             log.debug("store %s is on another host: blocks go by socket", self.instance_id)
             return None
         try:
-            arena = LocalArena.open(shared.path, shared.size)
+            arena = await asyncio.to_thread(LocalArena.open, shared.path, shared.size)
         except (OSError, ValueError) as exc:
             self._unusable.add(shared.path)
             log.info("cannot map store %s's arena (%s): blocks go by socket", self.instance_id, exc)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +59,8 @@ class SlotBytes:
     buffers: list[torch.Tensor]
     ready: Ready = field(default_factory=Ready)
     reads_pool: bool = False
+    # the transfer calls it once it no longer reads the buffers (staging goes back)
+    done: Callable[[], None] = field(default=lambda: None)
 
 
 @dataclass(eq=False)

@@ -201,6 +201,7 @@ class TransferTasks:
                 log.exception("KV put of %s failed", job.request_id)
                 self._fail(job, exc)
             finally:
+                copy.done()
                 if copy.reads_pool:
                     with self.cond:
                         self.writes_pending -= 1

@@ -144,6 +144,18 @@ class StagingPool:
     def give(self, index: int) -> None:
         self._free.put(index)
 
+    def take_many(self, count: int) -> list[int] | None:
+        """``count`` buffers at once, or None (and none taken) when fewer are free."""
+        taken: list[int] = []
+        for _ in range(count):
+            index = self.take()
+            if index is None:
+                for i in taken:
+                    self.give(i)
+                return None
+            taken.append(index)
+        return taken
+
 
 @dataclass(eq=False)
 class Replication:

@@ -29,7 +29,7 @@ from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
 from shared.engine.elastic_threads import ProcStatSource, ThreadGovernor
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import EngineLoop
+from shared.engine.engine_loop import EngineLoop, keep_openmp_off_this_thread, on_passing_thread
 from shared.engine.kv_cache_manager import KVEvents
 from shared.hardware import auto_dtype
 from shared.kvstore.client import KVStoreClient
@@ -137,12 +137,12 @@ class Worker:
         config = self.engine_config()
         why = "set" if self.baton.dtype != "auto" else auto_dtype(config.device).reason
         log.info("%s: dtype %s (%s: %s)", self.role, config.dtype, self.baton.dtype, why)
-        engine = await asyncio.to_thread(
-            Engine.from_config,
-            config,
-            cache_dir=self.baton.cache_dir,
-            progress=False,
-            connector=self._connector,
+        keep_openmp_off_this_thread()
+        connector = self._connector
+        engine = await on_passing_thread(
+            lambda: Engine.from_config(
+                config, cache_dir=self.baton.cache_dir, progress=False, connector=connector
+            )
         )
         self._loop = EngineLoop(
             engine,

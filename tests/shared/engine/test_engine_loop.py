@@ -8,10 +8,18 @@ import os
 import pytest
 import torch
 
+from shared.config import EngineConfig
 from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import IDLE_AFTER_S, EngineLoop, LoopStats, next_output
+from shared.engine.engine_loop import (
+    IDLE_AFTER_S,
+    EngineLoop,
+    LoopStats,
+    next_output,
+    on_passing_thread,
+)
 from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import LoadedModel
 from tests.conftest import EngineFactory
 from tests.shared.engine.fake_cpu import FakeCpuSource
 
@@ -94,7 +102,7 @@ async def test_a_governor_sets_each_steps_threads(make_engine: EngineFactory) ->
     """Steps run on the thread count the governor decides; the loop reports it."""
     source = FakeCpuSource(cpus=2)  # nothing else busy: the governor grants 2
     engine = make_engine()
-    loop = EngineLoop(engine, threads=ThreadGovernor(source, 1, 2, sleep=source.advance))
+    loop = EngineLoop(engine, threads=ThreadGovernor(source, 1, 2, clock=lambda: source.now))
     saved = torch.get_num_threads()
     loop.start()
     try:
@@ -108,3 +116,47 @@ async def test_a_governor_sets_each_steps_threads(make_engine: EngineFactory) ->
     finally:
         await loop.stop()
         torch.set_num_threads(saved)
+
+
+def test_step_time_is_split_by_the_thread_count_it_ran_on() -> None:
+    stats = LoopStats()
+    stats.step_started(2, now=1.0)
+    stats.threads_changed(1, now=1.3)  # shrunk between two layers
+    stats.step_ended(now=1.4)
+    stats.threads_changed(2, now=5.0)  # between steps: no time counted
+    stats.step_started(2, now=6.0)
+    stats.step_ended(now=6.5)
+    assert stats.thread_seconds == pytest.approx({2: 0.8, 1: 0.1})
+
+
+async def test_the_engine_thread_runs_the_configured_thread_count(
+    loaded_fp32: LoadedModel,
+) -> None:
+    """OpenMP's thread count is per thread: the engine thread sets the engine's own."""
+    loop = EngineLoop(Engine(loaded_fp32, EngineConfig(num_threads=1)))
+    loop.start()
+    try:
+        assert await loop.call(lambda e: torch.get_num_threads()) == 1
+    finally:
+        await loop.stop()
+
+
+async def test_start_up_work_runs_on_a_thread_that_ends_with_it() -> None:
+    """OpenMP keeps a worker pool per thread that ran a parallel region, for that
+    thread's life: start-up work runs where its pool goes with it."""
+    import threading
+
+    seen: list[threading.Thread] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return 7
+
+    assert await on_passing_thread(work) == 7
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def fail() -> None:
+        raise ValueError("no model")
+
+    with pytest.raises(ValueError, match="no model"):
+        await on_passing_thread(fail)

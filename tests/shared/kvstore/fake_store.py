@@ -35,6 +35,7 @@ class FakeNode:
         self.num_layers = num_layers
         self.blocks: dict[str, FakeBlock] = {}
         self.writes: list[tuple[str, int | None]] = []  # (id, layer or None = whole), in order
+        self.write_calls: list[int] = []  # blocks per write call, in order
         self.leases: dict[str, tuple[str, ...]] = {}
         self.changed = asyncio.Event()
         self._lease_ids = itertools.count(1)
@@ -46,6 +47,7 @@ class FakeNode:
     async def write(
         self, ids: Sequence[str], segments: Sequence[Buffer], layers: tuple[int, int] | None
     ) -> None:
+        self.write_calls.append(len(ids))
         for block_id, seg in zip(ids, segments, strict=True):
             block = self.blocks[block_id]
             view = as_bytes_view(seg)

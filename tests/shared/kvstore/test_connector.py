@@ -103,6 +103,8 @@ async def node(
     *,
     policy: PullPolicy = "always",
     caching: bool = True,
+    layerwise: Callable[[], bool] | None = None,
+    staging_blocks: int = 64,
     **kw: int,
 ) -> AsyncIterator[Node]:
     registry = CollectorRegistry()
@@ -112,6 +114,8 @@ async def node(
         caching=caching,
         pull_policy=policy,
         load_timeout_s=60,
+        layerwise=layerwise,
+        staging_blocks=staging_blocks,
     )
     engine = make_engine(connector=connector, enable_prefix_caching=caching, **kw)
     loop = EngineLoop(engine)
@@ -175,6 +179,34 @@ async def test_prefill_to_decode_through_the_store_is_token_exact(
         keys = {k.hex() for k in p.engine.hasher.keys(computed)}
         assert keys <= store.committed()
         assert await d.loop.call(lambda e: e.kv.num_free == e.kv.num_slots)
+
+
+@pytest.mark.parametrize("staging_blocks", [64, 0], ids=["staged", "in-place"])
+async def test_steps_on_every_core_send_whole_blocks_once_the_prompt_is_done(
+    make_engine: EngineFactory, staging_blocks: int
+) -> None:
+    """With no core left for transfers, a chunked prompt's blocks go in one whole-block
+    write after its last chunk (none while a later chunk computes), from staging buffers
+    where enough are free; decode continues token-exact from them."""
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, GREEDY)
+    async with (
+        node(
+            make_engine, store, max_num_batched_tokens=48, layerwise=lambda: False,
+            staging_blocks=staging_blocks,
+        ) as p,
+        node(make_engine, store) as d,
+    ):  # fmt: skip
+        first = await p.prefill(prompt, GREEDY, "p1")
+        ids = p.last_plan.put_ids
+        assert all(w[1] is None for w in store.node.writes)  # no layer ranges
+        assert len(store.node.write_calls) == 1  # all blocks at once, at the end
+        tokens = await d.decode(prompt, GREEDY, "d1", ids, first.new_token_ids[0])
+        assert tokens == expected
+        staging = p.connector.tasks.staging
+        if staging is not None:  # every staging buffer came back
+            assert staging.take_many(staging_blocks) is not None
 
 
 async def test_store_bytes_equal_the_engines_own_kv(make_engine: EngineFactory) -> None:
