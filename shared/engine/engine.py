@@ -20,6 +20,7 @@ import torch
 
 from shared.config import EngineConfig, default_cache_dir
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.grammar import GrammarCompiler
 from shared.engine.host_swap import build_swap
 from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
 from shared.engine.kv_connector import KVConnector
@@ -105,6 +106,9 @@ class Engine:
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, graphs)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.to_json(), arch.vocab_size, self.tokenizer.eos_token_ids
+        )
         self._next_id = 0
         self._steps = 0
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was runnable)
@@ -161,8 +165,12 @@ class Engine:
         cache_salt: str | None = None,
     ) -> Request:
         """A validated request with its block keys, not yet added. Reads only immutable
-        state, so any thread may call it (the services plan transfers with its keys)."""
+        state (and the thread-safe grammar cache, which compiles its output constraint
+        here, off the engine's steps), so any thread may call it (the services plan
+        transfers with its keys)."""
         self.validate(prompt_token_ids, params.max_tokens)
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -202,6 +210,9 @@ class Engine:
             if any(not 0 <= t < vocab for t in generated):
                 raise InvalidRequestError(f"generated token ids must be in [0, {vocab})")
             req.output_token_ids = list(generated)
+        if req.params.constraint is not None:  # where its grammar stands after `generated`
+            req.matcher = self.grammars.matcher(req.params.constraint)
+            req.matcher.replay(req.output_token_ids)
         req.kv_transfer = kv_transfer
         req.awaiting_first_token = awaiting_first_token
         self.scheduler.add(req)

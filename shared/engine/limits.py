@@ -44,6 +44,8 @@ class RequestLimits:
             return FinishReason.STOP
         if token in p.stop_token_ids:
             return FinishReason.STOP
+        if req.matcher is not None and req.matcher.done:  # its grammar allows nothing more
+            return FinishReason.STOP
         if outputs >= p.max_tokens or req.num_prompt_tokens + outputs >= self.max_model_len:
             return FinishReason.LENGTH
         return None

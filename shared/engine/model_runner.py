@@ -150,7 +150,11 @@ class ModelRunner:
             return {}
         rows = [
             SamplingRow(
-                s.request.params, s.request.seed, s.request.num_tokens, s.request.output_token_ids
+                s.request.params,
+                s.request.seed,
+                s.request.num_tokens,
+                s.request.output_token_ids,
+                s.request.matcher,
             )
             for s in sampled
         ]

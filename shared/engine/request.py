@@ -10,6 +10,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockKey
 
 if TYPE_CHECKING:
+    from shared.engine.grammar import Matcher
     from shared.engine.kv_cache_manager import Slot
     from shared.engine.swap import SwappedOut
 
@@ -87,6 +88,8 @@ class Request:
     swapped: SwappedOut | None = None
     # preempted with its KV kept by the connector (a spill), until it loads back
     spilled: bool = False
+    # its position in its output constraint's grammar (params.constraint), if any
+    matcher: Matcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +110,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token: SampledToken) -> bool:
+        """Take ``token`` as the next output (and advance the grammar, if constrained);
+        False when the grammar does not allow it."""
+        self.output_token_ids.append(token.token_id)
+        if token.logprobs is not None:
+            self.output_logprobs.append(token.logprobs)
+        return self.matcher is None or self.matcher.accept(token.token_id)
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

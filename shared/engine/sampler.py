@@ -13,12 +13,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import xxhash
 
 from shared.engine.request import SampledToken, TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.grammar import Matcher
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,18 @@ class SamplingRow:
     seed: int
     position: int  # absolute position the sampled token will take in the sequence
     output_token_ids: Sequence[int]
+    matcher: Matcher | None = None  # the row's grammar, when its output is constrained
+
+
+def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
+    """``[len(matchers), vocab]`` bool: the tokens each grammar allows next."""
+    words = -(-vocab // 32)
+    bits = torch.zeros((len(matchers), words), dtype=torch.int32)
+    for row, m in zip(bits, matchers, strict=True):
+        m.fill_mask(row)
+    # token t is bit t % 32 of word t // 32: little-endian bytes, little-endian bits
+    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(unpacked[:, :vocab].astype(np.bool_))
 
 
 def noise_key(seed: int, position: int) -> int:
@@ -87,14 +104,22 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     # one argmax over the batch for the plain greedy rows (per row it cost ~65 us each)
     plain = [r.params.greedy and not r.params.adjusts_logits for r in rows]
     best = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    allowed: dict[int, torch.Tensor] = {}
+    if constrained:
+        masks = allowed_tokens([rows[i].matcher for i in constrained], logits.shape[-1])  # type: ignore[misc]
+        allowed = dict(zip(constrained, masks.to(logits.device), strict=True))
     out: list[SampledToken] = []
     for i, row in enumerate(rows):
         p = row.params
         lg = logits[i]
         if p.adjusts_logits:
             lg = lg.clone()
-            apply_penalties(lg, p, row.output_token_ids)
+            if p.has_penalties:
+                apply_penalties(lg, p, row.output_token_ids)
             apply_logit_bias(lg, p)
+            if i in allowed:  # the grammar's tokens only; logprobs stay the model's own
+                lg.masked_fill_(~allowed[i], float("-inf"))
         if plain[i]:
             token = best[i]
         elif p.greedy:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine.constraint import Constraint
 from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -25,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's plus top-n
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    constraint: Constraint | None = None  # what the output must match (structured outputs)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -64,5 +66,6 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias change the logits before sampling."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Penalties, a logit bias or an output constraint change the logits before
+        sampling."""
+        return self.has_penalties or bool(self.logit_bias) or self.constraint is not None

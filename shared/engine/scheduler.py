@@ -31,6 +31,7 @@ them) and it recomputes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Set
 
 from shared.config import SchedulerConfig
@@ -53,6 +54,8 @@ from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from shared.engine.swap import Swapper
 from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockKey
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -87,11 +90,10 @@ class Scheduler:
             raise InvalidRequestError(f"no request {request_id} here")
         if not req.awaiting_first_token:
             raise InvalidRequestError(f"request {request_id} already has its first token")
-        if self.limits.stop_reason(req, token.token_id, num_outputs=1) is not None:
+        if not req.append_output(token):
+            raise InvalidRequestError("the first token breaks the request's output constraint")
+        if self.limits.stop_reason(req, token.token_id) is not None:
             raise InvalidRequestError("the first token already ends this request")
-        req.output_token_ids.append(token.token_id)
-        if token.logprobs is not None:
-            req.output_logprobs.append(token.logprobs)
         req.awaiting_first_token = False
         self.queues.unpark(request_id)
 
@@ -225,10 +227,11 @@ class Scheduler:
             if not samples:
                 continue
             tok = sampled[req.request_id]
-            req.output_token_ids.append(tok.token_id)
-            if tok.logprobs is not None:
-                req.output_logprobs.append(tok.logprobs)
+            accepted = req.append_output(tok)
             reason = self.limits.stop_reason(req, tok.token_id)
+            if not accepted:  # sampled under its mask: never, short of a bug
+                log.error("%s: token %d breaks its output constraint", req.request_id, tok.token_id)
+                reason = FinishReason.STOP
             if reason is not None:
                 self.finish(req.request_id, reason)
             changed.append(req)

@@ -58,6 +58,10 @@ class Tokenizer:
                 eos_ids.append(tid)
         return cls(tok, config, eos_ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as its tokenizer.json text (what grammar engines read)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from shared.engine.constraint import Constraint, ConstraintKind
 from shared.engine.request import SampledToken, TokenLogprobs
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -29,6 +30,20 @@ BATON_REQUEST_ID_HEADER = "X-Baton-Request-Id"  # the gateway's own id, when a c
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConstraintSpec(_Wire):
+    """:class:`Constraint` on the wire (the gateway checked it compiles)."""
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    def to_constraint(self) -> Constraint:
+        return Constraint(self.kind, self.spec)
+
+    @classmethod
+    def of(cls, c: Constraint | None) -> ConstraintSpec | None:
+        return None if c is None else cls(kind=c.kind, spec=c.spec)
 
 
 class SamplingSpec(_Wire):
@@ -45,6 +60,7 @@ class SamplingSpec(_Wire):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[int, float] = {}
+    constraint: ConstraintSpec | None = None
 
     def to_params(self, *, max_tokens: int | None = None) -> SamplingParams:
         """Stop strings stay at the gateway, which owns detokenization."""
@@ -60,6 +76,7 @@ class SamplingSpec(_Wire):
             frequency_penalty=self.frequency_penalty,
             logprobs=self.logprobs,
             logit_bias=tuple(sorted(self.logit_bias.items())),
+            constraint=self.constraint.to_constraint() if self.constraint else None,
         )
 
 
