@@ -52,13 +52,26 @@ from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
+from shared.engine.constraint import Constraint
+from shared.engine.grammar import GrammarCompiler
 from shared.errors import InvalidRequestError
 from shared.model.tokenizer_loader import TokenizerOnly, load_tokenizer
 from shared.service import component_of, service_app
 from shared.serving.errors import ServiceError, error_body, error_response
-from shared.serving.protocol import SamplingSpec
+from shared.serving.protocol import ConstraintSpec, SamplingSpec
 
 log = logging.getLogger(__name__)
+
+
+def _constraint_param(constraint: Constraint) -> str:
+    """The request field an output constraint came from, for the error body."""
+    if constraint.kind == "grammar" and "<tool_call>" in constraint.spec:
+        return "tools"
+    return (
+        "response_format"
+        if constraint.kind in ("json_schema", "json_object")
+        else ("structured_outputs")
+    )
 
 
 class Gateway:
@@ -95,6 +108,9 @@ class Gateway:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self.metrics = GatewayMetrics(model.name, model.arch.max_position_embeddings)
+        # the engine's own checks, run here so a bad schema costs no instance anything
+        tok = model.tokenizer
+        self.grammars = GrammarCompiler(tok.to_json(), model.arch.vocab_size, tok.eos_token_ids)
         self.handoff = Handoff(
             self.http,
             self.router,
@@ -176,6 +192,7 @@ class Gateway:
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
+        constraint = self._constraint(body)
         vocab = self.model.arch.vocab_size
         bias = body.bias()
         if any(t >= vocab for t in bias):
@@ -221,6 +238,7 @@ class Gateway:
             frequency_penalty=body.frequency_penalty,
             logprobs=body.num_logprobs(),
             logit_bias=bias,
+            constraint=ConstraintSpec.of(constraint),
         )
         echo = ""
         if isinstance(body, CompletionRequest) and body.echo:
@@ -239,8 +257,32 @@ class Gateway:
             cache_salt=self.cache_salt(body.cache_salt, api_key),
             n=body.n,
             echo=echo,
+            tools=body.tool_plan() if isinstance(body, ChatCompletionRequest) else None,
         )
         return prepared, spec
+
+    @staticmethod
+    def _constraint(body: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
+        try:
+            return body.constraint()
+        except ValueError as exc:  # a schema given as text that is not JSON
+            raise ServiceError(
+                400, f"invalid structured_outputs: {exc}", code="invalid_request",
+                param="structured_outputs",
+            ) from exc  # fmt: skip
+
+    async def check_constraint(self, spec: SamplingSpec) -> None:
+        """A 400 naming the problem when the output constraint cannot be compiled (off
+        the event loop: a large schema takes milliseconds; compiled ones are cached)."""
+        if spec.constraint is None:
+            return
+        constraint = spec.constraint.to_constraint()
+        try:
+            await asyncio.to_thread(self.grammars.compile, constraint)
+        except InvalidRequestError as exc:
+            raise ServiceError(
+                400, str(exc), code="invalid_request", param=_constraint_param(constraint)
+            ) from exc
 
     async def admit(self, prepared: Prepared) -> None:
         retry = {"Retry-After": "1"}

@@ -55,6 +55,7 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
     try:
         api_key = gw.check_auth(request)
         prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id, api_key)
+        await gw.check_constraint(spec)
         await gw.admit(prepared)
     except Exception as exc:
         gw.metrics.requests.labels("rejected").inc()
@@ -157,7 +158,9 @@ class Run:
         try:
             try:
                 async for index, step in self._all_steps():
-                    yield builders[index].chunk(step)
+                    chunk = builders[index].chunk(step)
+                    if chunk:
+                        yield chunk
                     if step.finish_reason is not None:
                         yield builders[index].final_chunk()
                 if self.choices.p.include_usage:

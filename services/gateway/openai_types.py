@@ -24,6 +24,9 @@ from pydantic import (
     model_validator,
 )
 
+from services.gateway.tools import NAME_PATTERN, Function, ToolPlan, render_messages
+from shared.engine.constraint import Constraint
+
 MAX_STOP = 16
 MAX_N = 16
 MAX_LOGIT_BIAS = 300
@@ -67,10 +70,31 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class AssistantToolCall(_Body):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's past calls
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool's result
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -78,6 +102,12 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class SamplingFields(_Body):
@@ -146,18 +176,85 @@ class SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> ResponseFormat:
-        if self.type != "text":
-            raise ValueError(
-                f"type {self.type!r} is not supported by Baton (no constrained decoding); "
-                "only 'text' is accepted"
-            )
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema goes with type 'json_schema', not {self.type!r}")
         return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.json_schema is not None:
+            return Constraint.json_schema(self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def constraint(self) -> Constraint:
+        if self.json_ is not None:
+            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            if not isinstance(schema, dict):
+                raise ValueError("json must be a JSON schema object")
+            return Constraint.json_schema(schema)
+        if self.regex is not None:
+            return Constraint.regex(self.regex)
+        if self.choice is not None:
+            return Constraint.choice(self.choice)
+        if self.grammar is not None:
+            return Constraint.grammar(self.grammar)
+        return Constraint.json_object()
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -166,10 +263,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # OpenAI parameters Baton does not implement: refused unless neutral
-    tools: Any = unsupported(None, [])
-    tool_choice: Any = unsupported(None, "none")
-    parallel_tool_calls: Any = unsupported(None, False, True)
     functions: Any = unsupported(None, [])
     function_call: Any = unsupported(None, "none")
     audio: Any = unsupported(None)
@@ -191,6 +289,51 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools")
+        if choice in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        constrained = self.response_format is not None and self.response_format.type != "text"
+        if names and choice != "none" and (constrained or self.structured_outputs):
+            raise ValueError(
+                "tools with response_format or structured_outputs is not supported by Baton: "
+                "give one or the other"
+            )
+        if constrained and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What ``tools`` and ``tool_choice`` ask for (None: no tools in play)."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if not self.tools or choice == "none":
+            return None
+        functions = tuple(
+            Function(
+                t.function.name,
+                t.function.description or "",
+                t.function.parameters,
+            )
+            for t in self.tools
+        )
+        if isinstance(choice, NamedToolChoice):
+            return ToolPlan(functions, "named", choice.function.name, self.parallel_tool_calls)
+        return ToolPlan(functions, choice, parallel=self.parallel_tool_calls)
+
+    def constraint(self) -> Constraint | None:
+        plan = self.tool_plan()
+        if plan is not None:
+            return plan.constraint()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return self.response_format.constraint() if self.response_format else None
+
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -198,7 +341,8 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The chat as the template renders it (tools, calls and results in text)."""
+        return render_messages([m.as_dict() for m in self.messages], self.tool_plan())
 
 
 class CompletionRequest(SamplingFields):
@@ -211,6 +355,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: Any = unsupported(None, "")
+    # vLLM's completions take these too
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -229,7 +376,15 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if self.structured_outputs is not None and formatted:
+            raise ValueError("give response_format or structured_outputs, not both")
         return self
+
+    def constraint(self) -> Constraint | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return self.response_format.constraint() if self.response_format else None
 
     def limit(self) -> int | None:
         return self.max_tokens

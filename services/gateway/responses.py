@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.gateway.handoff import Generated
+from services.gateway.tools import ToolCallStream, ToolPlan, parse_output
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.model.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class Prepared:
     cache_salt: str | None = None
     n: int = 1
     echo: str = ""  # completions' ``echo``: the prompt's text, put before the first token's
+    tools: ToolPlan | None = None  # chat with tools: calls parsed out of the output
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -65,6 +67,8 @@ class ResponseBuilder:
         self.finish_reason: str | None = None
         self._chunks = 0
         self._text_offset = 0
+        tools = prepared.tools
+        self.calls = ToolCallStream(tools.mode != "auto") if tools is not None else None
 
     # -- tokens -> text ------------------------------------------------------------
     def add(self, gen: Generated) -> Step:
@@ -115,11 +119,30 @@ class ResponseBuilder:
             "choices": choices,
         }
 
+    def _delta(self, step: Step) -> dict[str, Any] | None:
+        """The chat delta of one step; None when it adds nothing a client sees yet (text
+        held back while it may be a tool call's start)."""
+        if self.calls is None:
+            return {"content": step.text}
+        found = self.calls.feed(step.text)
+        if step.finish_reason is not None:
+            found.content += self.calls.finish().content
+        delta: dict[str, Any] = {}
+        if found.content:
+            delta["content"] = found.content
+        if found.calls:
+            delta["tool_calls"] = found.calls
+        return delta or None
+
     def chunk(self, step: Step) -> str:
+        """The SSE chunk of one step ("" when it has nothing to show yet)."""
         if self.p.kind == "chat":
-            delta: dict[str, Any] = {"content": step.text}
+            found = self._delta(step)
+            if found is None and not (step.logprobs or self.p.return_token_ids):
+                return ""
+            delta = found or {"content": ""}
             if self._chunks == 0:
-                delta = {"role": "assistant", "content": step.text}
+                delta = {"role": "assistant", **delta}
             choice: dict[str, Any] = {
                 "index": self.index,
                 "delta": delta,
@@ -141,8 +164,14 @@ class ResponseBuilder:
         self._chunks += 1
         return sse(body)
 
+    def _final_reason(self) -> str | None:
+        """``tool_calls`` when the model ended its output after calling tools."""
+        if self.calls is not None and self.calls.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
+
     def final_chunk(self) -> str:
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self._final_reason()}
         if self.p.kind == "chat":
             choice |= {"delta": {}, "logprobs": None}
         else:
@@ -154,7 +183,17 @@ class ResponseBuilder:
         text = "".join(s.text for s in steps)
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason}
         has_lp = self.p.num_logprobs is not None
-        if self.p.kind == "chat":
+        if self.p.kind == "chat" and self.p.tools is not None:
+            content, calls = parse_output(text, self.p.tools.mode != "auto")
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.message() for c in calls]
+                if self.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            choice["logprobs"] = (
+                {"content": [s.logprobs for s in steps if s.logprobs]} if has_lp else None
+            )
+        elif self.p.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = (
                 {"content": [s.logprobs for s in steps if s.logprobs]} if has_lp else None

@@ -26,12 +26,13 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import redis
 
 from shared.cluster.keys import Keys
+from shared.engine.constraint import Constraint
 from shared.engine.sampling_params import SamplingParams
 from shared.launcher import LocalCluster
 from shared.supervisor import RestartPolicy, Supervisor, SupervisorThread
@@ -48,13 +49,18 @@ class ChaosRequest:
     prompt: list[int]
     max_tokens: int
     seed: int | None  # None: greedy
+    json_schema: dict[str, Any] | None = None  # the output constrained to this schema
 
     def params(self) -> SamplingParams:
+        constraint = None if self.json_schema is None else Constraint.json_schema(self.json_schema)
         if self.seed is None:
-            return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
+            return SamplingParams(
+                max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True,
+                constraint=constraint,
+            )  # fmt: skip
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=0.8, top_p=0.95, seed=self.seed,
-            ignore_eos=True,
+            ignore_eos=True, constraint=constraint,
         )  # fmt: skip
 
     def body(self, model: str) -> dict[str, object]:
@@ -69,6 +75,8 @@ class ChaosRequest:
         }
         if self.seed is not None:
             body |= {"seed": self.seed, "top_p": 0.95}
+        if self.json_schema is not None:
+            body["structured_outputs"] = {"json": self.json_schema}
         return body
 
 

@@ -151,7 +151,8 @@ class GrammarCompiler:
         error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise InvalidRequestError(f"invalid {constraint.kind}: {error}")
-        compiled = llg.LLMatcher(tokenizer, grammar)
+        # log_level 0: a refused token is reported by the caller, not printed to stderr
+        compiled = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise InvalidRequestError(f"invalid {constraint.kind}: {compiled.get_error()}")
         with self._lock:
