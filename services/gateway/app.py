@@ -180,6 +180,9 @@ class Gateway:
             raise invalid_body(exc) from exc
         if body.model != self.model.name:
             raise model_not_found(body.model)
+        problem = body.problem() if isinstance(body, ChatCompletionRequest) else None
+        if problem is not None:
+            raise ServiceError(400, problem[1], code="invalid_request", param=problem[0])
         tok = self.model.tokenizer
         if isinstance(body, ChatCompletionRequest):
             prompt = tok.encode_chat(body.message_dicts())

@@ -289,25 +289,26 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
-    @model_validator(mode="after")
-    def _tools(self) -> ChatCompletionRequest:
+    def problem(self) -> tuple[str, str] | None:
+        """``(param, message)`` of the first parameter that does not fit with the others
+        (checked after validation, so the error names the parameter)."""
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
+            return "tools", "function names in tools must be unique"
         choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            return "tool_choice", "'tool_choice' is only allowed when 'tools' are specified"
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools")
-        if choice in ("required",) and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        constrained = self.response_format is not None and self.response_format.type != "text"
-        if names and choice != "none" and (constrained or self.structured_outputs):
-            raise ValueError(
+            return "tool_choice", f"function {choice.function.name!r} is not in tools"
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if formatted and self.structured_outputs is not None:
+            return "structured_outputs", "give response_format or structured_outputs, not both"
+        if names and choice != "none" and (formatted or self.structured_outputs is not None):
+            return "tools", (
                 "tools with response_format or structured_outputs is not supported by Baton: "
                 "give one or the other"
             )
-        if constrained and self.structured_outputs is not None:
-            raise ValueError("give response_format or structured_outputs, not both")
-        return self
+        return None
 
     def tool_plan(self) -> ToolPlan | None:
         """What ``tools`` and ``tool_choice`` ask for (None: no tools in play)."""

@@ -73,9 +73,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools.0.function.name",
+        ),
+        ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"store": True}, "store"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
@@ -85,10 +88,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({"logit_bias": {"12": 500}}, "logit_bias.12"),
         ({"n": 17}, "n"),
         ({"stream_options": {"include_usage": True}}, None),
-        (
-            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]},
-            "messages.0.role",
-        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # no tool_call_id
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from services.gateway.handoff import Generated
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Choices, Prepared
+from shared.engine.constraint import Constraint
 from shared.model.loader import LoadedModel
 from shared.serving.protocol import WireToken
 
@@ -37,8 +38,12 @@ def test_chat_limits_and_extensions() -> None:
     [
         {"n": 17},
         {"unknown_field": 1},
-        {"tools": [{"type": "function"}]},
-        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function"}]},  # no function
+        {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+        {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+        {"response_format": {"type": "json_schema"}},  # no schema
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}},  # two at once
+        {"structured_outputs": {}},
         {"logit_bias": {"x": 1}},
         {"stream_options": {"include_usage": True}},
         {"max_tokens": 0},
@@ -53,6 +58,60 @@ def test_chat_rejects(bad: dict[str, object]) -> None:
         ChatCompletionRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], **bad}
         )
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # and no tools
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+        ),
+    ],
+)
+def test_parameters_that_do_not_fit_together_are_named(
+    extra: dict[str, object], param: str
+) -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    )
+    problem = body.problem()
+    assert problem is not None and problem[0] == param
+
+
+def test_structured_outputs_and_tools_become_a_constraint() -> None:
+    def chat(**kw: object) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+        )
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    assert chat(response_format=fmt).constraint() == Constraint.json_schema(schema)
+    assert chat(response_format={"type": "json_object"}).constraint() == Constraint.json_object()
+    assert chat(structured_outputs={"choice": ["a", "b"]}).constraint() == Constraint.choice(
+        ["a", "b"]
+    )
+    assert chat(structured_outputs={"json": '{"type": "string"}'}).constraint() == (
+        Constraint.json_schema({"type": "string"})
+    )
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    auto = chat(tools=[tool])
+    assert auto.tool_plan() is not None and auto.constraint() is None
+    named = chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    c = named.constraint()
+    assert c is not None and c.kind == "grammar" and "<tool_call>" in c.spec
+    assert chat(tools=[tool], tool_choice="none").tool_plan() is None
+    assert "<tools>" in auto.message_dicts()[0]["content"]
 
 
 def test_completion_prompt_forms() -> None:
