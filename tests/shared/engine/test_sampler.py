@@ -10,9 +10,11 @@ import torch
 from shared.engine.sampler import (
     SamplingRow,
     apply_penalties,
+    draw,
     filter_top_k_top_p,
     noise_key,
     sample,
+    uniform,
 )
 from shared.engine.sampling_params import SamplingParams
 
@@ -85,3 +87,16 @@ def test_logprobs_report_raw_distribution() -> None:
     assert out.logprobs is not None
     assert out.logprobs.logprob == raw[out.token_id].item()
     assert [t for t, _ in out.logprobs.top] == [0, 1]
+
+
+def test_draw_never_picks_a_token_of_probability_zero() -> None:
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.5, 0.0])
+    for u in (0.0, 1e-12, 0.25, 0.5, 0.75, 1.0 - 2**-53):
+        assert draw(probs, u) in (1, 4)
+    assert draw(probs, 0.49) == 1 and draw(probs, 0.5) == 4
+
+
+def test_uniform_draws_cover_the_unit_interval() -> None:
+    draws = [uniform(7, p) for p in range(4000)]
+    assert all(0.0 <= d < 1.0 for d in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.02
