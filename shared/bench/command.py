@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from shared.bench import prefix_trace
+from shared.bench import prefix_trace, structured
 from shared.bench import workload as wl
 from shared.bench.metrics import SLO, summarize
 from shared.bench.report import RunReport, text_summary, write_json, write_png
@@ -20,7 +20,7 @@ from shared.bench.runner import Target, discover_model, run_conversations, run_o
 from shared.config import DEFAULT_BLOCK_SIZE
 from shared.errors import InvalidRequestError
 
-WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn", "prefix-trace")
+WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn", "prefix-trace", "structured")
 
 
 def add_parser(sub: Any) -> None:
@@ -144,6 +144,8 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[wl.RequestSpec
             conversations, args.turns, args.input_len, user_len, args.output_len, times,
             args.seed, think_s=args.think_time,
         )  # fmt: skip
+    if args.workload == "structured":
+        return structured.structured(n, args.input_len, args.output_len, times, args.seed)
     return wl.synthetic(n, args.input_len, args.output_len, times, args.seed)
 
 
@@ -179,7 +181,10 @@ async def _run(args: argparse.Namespace) -> int:
                 )
         finally:
             bar.close()
-        run = RunReport(label, rate, summarize(results, duration, slo), results)
+        validity = None
+        if args.workload == "structured":
+            validity = structured.check(specs, results).as_dict()
+        run = RunReport(label, rate, summarize(results, duration, slo), results, validity)
         runs.append(run)
         print(text_summary(run), flush=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -30,6 +30,8 @@ class RequestResult:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     turn: int | None = None  # multi-turn: 0 for a conversation's first request
     oracle_cached: int | None = None  # prefix traces: what an infinite cache would serve
+    text: str | None = None  # the output's text (kept for the structured workload's checks)
+    finish_reason: str | None = None
 
     @property
     def ok(self) -> bool:

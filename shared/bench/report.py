@@ -22,12 +22,14 @@ class RunReport:
     request_rate: float | None
     summary: Summary
     results: list[RequestResult]
+    validity: dict[str, Any] | None = None  # structured workload: outputs against schemas
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
             "request_rate": self.request_rate,
             "summary": self.summary.as_dict(),
+            "validity": self.validity,
             "requests": [
                 {**asdict(r), "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e} for r in self.results
             ],
@@ -69,6 +71,12 @@ def text_summary(run: RunReport) -> str:
     ]
     if s.goodput is not None:
         lines.append(f"goodput: {s.goodput:.3f} req/s meeting the SLOs")
+    if run.validity is not None:
+        v = run.validity
+        lines.append(
+            f"structured: {v['valid']} of {v['requests']} outputs validate against their "
+            f"schemas, {v['cut_by_max_tokens']} cut by max_tokens, invalid: {v['invalid']}"
+        )
     lines.append(f"{'(ms)':6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         lines.append(f"{name.upper():6}{_ms(getattr(s, name))}")

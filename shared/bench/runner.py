@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -48,7 +49,7 @@ async def send(
     do with ``return_token_ids``)."""
     prompt = spec.prompt if prompt is None else prompt
     max_tokens = spec.max_tokens
-    body = {
+    body: dict[str, Any] = {
         "model": target.model,
         "prompt": list(prompt),
         "max_tokens": max_tokens,
@@ -58,6 +59,10 @@ async def send(
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+    if spec.seed is not None:
+        body |= {"temperature": 0.8, "seed": spec.seed}
+    if spec.structured is not None:  # the output ends where its schema closes
+        body |= {"structured_outputs": spec.structured, "ignore_eos": False}
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     start = time.perf_counter()
     stamps: list[float] = []
@@ -65,6 +70,8 @@ async def send(
     usage_tokens: int | None = None
     cached: int | None = None
     error: str | None = None
+    texts: list[str] = []
+    finish: str | None = None
     try:
         async with http.stream(
             "POST", target.base_url + "/v1/completions", json=body, headers=headers
@@ -81,7 +88,10 @@ async def send(
                         break
                     if chunk.get("choices"):
                         stamps.append(time.perf_counter())
-                        tokens += chunk["choices"][0].get("token_ids") or []
+                        choice = chunk["choices"][0]
+                        tokens += choice.get("token_ids") or []
+                        texts.append(choice.get("text") or "")
+                        finish = choice.get("finish_reason") or finish
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                         usage_tokens = int(usage["completion_tokens"])
@@ -103,6 +113,8 @@ async def send(
         cached_tokens=cached,
         turn=spec.turn if spec.conversation is not None else None,
         oracle_cached=spec.oracle_cached,
+        text="".join(texts) if spec.structured is not None else None,
+        finish_reason=finish,
     )
     return result, tokens
 

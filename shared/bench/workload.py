@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,9 @@ class RequestSpec:
     turn: int = 0  # multi-turn: 0 for the first turn
     think_s: float = 0.0  # multi-turn: the user's pause after the previous answer
     oracle_cached: int | None = None  # prefix traces: tokens an infinite cache would serve
+    structured: dict[str, Any] | None = None  # sent as ``structured_outputs``
+    label: str | None = None  # structured: which schema
+    seed: int | None = None  # sampled with this seed at temperature 0.8 (None: greedy)
 
 
 def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
