@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from shared.engine.constraint import Constraint
 from shared.errors import InvalidRequestError
 
@@ -78,11 +80,12 @@ class Matcher:
         self._m = inner
         self.constraint = constraint
 
-    def fill_mask(self, bitmask_row: Any) -> None:
-        """The tokens allowed next, as bits (1 = allowed) into a contiguous int32 tensor
-        row of ``ceil(vocab / 32)`` words."""
-        nbytes = bitmask_row.numel() * bitmask_row.element_size()
-        self._m.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), nbytes)
+    def fill_mask(self, bitmask_row: np.ndarray) -> None:
+        """The tokens allowed next, as bits (1 = allowed) into a contiguous uint32 row of
+        ``ceil(vocab / 32)`` words (any thread; the matcher must not move meanwhile)."""
+        if not bitmask_row.flags.c_contiguous or bitmask_row.dtype != np.uint32:
+            raise ValueError("a mask row is a contiguous uint32 array")
+        self._m.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
 
     def accept(self, token: int) -> bool:
         """Advance by one token of the output; False (and an error state) when the

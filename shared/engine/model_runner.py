@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.grammar_masks import MaskWorker
 from shared.engine.request import RequestId, SampledToken
 from shared.engine.sampler import SamplingRow, sample
 from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -141,11 +142,23 @@ class ModelRunner:
         self.graphs = graphs
         self.block_size = kv_cache.layout.block_size
         self.device = model.device
+        self.masks = MaskWorker(model.arch.vocab_size)
 
     def execute(
         self, step: SchedulerOutput, on_layer: LayerHook | None = None
     ) -> dict[RequestId, SampledToken]:
-        logits, sampled = self._replay(step, on_layer) or self._forward(step, on_layer)
+        # the grammars' masks are computed while the model runs (grammar_masks.py)
+        pending = self.masks.start(
+            {
+                s.request.request_id: s.request.matcher
+                for s in step.scheduled
+                if s.samples and s.request.matcher is not None
+            }
+        )
+        try:
+            logits, sampled = self._replay(step, on_layer) or self._forward(step, on_layer)
+        finally:
+            masks = pending.result() if pending is not None else {}
         if not sampled:
             return {}
         rows = [
@@ -155,6 +168,7 @@ class ModelRunner:
                 s.request.num_tokens,
                 s.request.output_token_ids,
                 s.request.matcher,
+                masks.get(s.request.request_id),
             )
             for s in sampled
         ]

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import xxhash
 
+from shared.engine.grammar_masks import allowed_tokens
 from shared.engine.request import SampledToken, TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
@@ -34,17 +34,7 @@ class SamplingRow:
     position: int  # absolute position the sampled token will take in the sequence
     output_token_ids: Sequence[int]
     matcher: Matcher | None = None  # the row's grammar, when its output is constrained
-
-
-def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
-    """``[len(matchers), vocab]`` bool: the tokens each grammar allows next."""
-    words = -(-vocab // 32)
-    bits = torch.zeros((len(matchers), words), dtype=torch.int32)
-    for row, m in zip(bits, matchers, strict=True):
-        m.fill_mask(row)
-    # token t is bit t % 32 of word t // 32: little-endian bytes, little-endian bits
-    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(unpacked[:, :vocab].astype(np.bool_))
+    allowed: torch.Tensor | None = None  # [vocab] bool: its mask, if computed already
 
 
 def _masked_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, torch.Tensor]:
@@ -54,7 +44,14 @@ def _masked_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int,
     index = [i for i, r in enumerate(rows) if r.matcher is not None]
     if not index:
         return {}
-    allowed = allowed_tokens([rows[i].matcher for i in index], logits.shape[-1])  # type: ignore[misc]
+    masks = [rows[i].allowed for i in index]
+    missing = [k for k, m in enumerate(masks) if m is None]
+    if missing:  # not prepared beside the forward pass: compute them now
+        matchers = [rows[index[k]].matcher for k in missing]
+        fresh = allowed_tokens(matchers, logits.shape[-1])  # type: ignore[arg-type]
+        for k, mask in zip(missing, fresh, strict=True):
+            masks[k] = mask
+    allowed = torch.stack(masks)  # type: ignore[arg-type]
     sub = logits[torch.tensor(index, device=logits.device)]
     sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
     return dict(zip(index, sub, strict=True))
