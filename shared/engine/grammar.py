@@ -76,9 +76,10 @@ def grammar_text(constraint: Constraint) -> str:
 class Matcher:
     """One request's state in its grammar (engine thread only)."""
 
-    def __init__(self, inner: llguidance.LLMatcher, constraint: Constraint):
+    def __init__(self, inner: llguidance.LLMatcher, constraint: Constraint, vocab_size: int):
         self._m = inner
         self.constraint = constraint
+        self.mask_words = -(-vocab_size // 32)  # a mask's length in 32-bit words
 
     def fill_mask(self, bitmask_row: np.ndarray) -> None:
         """The tokens allowed next, as bits (1 = allowed) into a contiguous uint32 row of
@@ -140,7 +141,7 @@ class GrammarCompiler:
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of the constraint's grammar."""
-        return Matcher(self._template(constraint).deep_copy(), constraint)
+        return Matcher(self._template(constraint).deep_copy(), constraint, self._vocab_size)
 
     def _template(self, constraint: Constraint) -> Any:
         with self._lock:

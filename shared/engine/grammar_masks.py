@@ -25,21 +25,22 @@ if TYPE_CHECKING:
     from shared.engine.request import RequestId
 
 
-def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
-    """``[len(matchers), vocab]`` bool: the tokens each grammar allows next."""
-    bits = np.zeros((len(matchers), -(-vocab // 32)), dtype=np.uint32)
+def allowed_token_ids(matchers: Sequence[Matcher]) -> list[torch.Tensor]:
+    """For each matcher, the token ids its grammar allows next (int64, ascending)."""
+    if not matchers:
+        return []
+    bits = np.zeros((len(matchers), matchers[0].mask_words), dtype=np.uint32)
     for row, m in zip(bits, matchers, strict=True):
         m.fill_mask(row)
     # token t is bit t % 32 of word t // 32: little-endian bytes, little-endian bits
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(unpacked[:, :vocab].view(np.bool_))
+    return [torch.from_numpy(np.flatnonzero(row)) for row in unpacked]
 
 
 class MaskWorker:
     """One thread that computes masks for the engine thread (one step at a time)."""
 
-    def __init__(self, vocab: int):
-        self._vocab = vocab
+    def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
 
     def start(
@@ -52,8 +53,8 @@ class MaskWorker:
         return self._pool.submit(self._compute, dict(matchers))
 
     def _compute(self, matchers: dict[RequestId, Matcher]) -> dict[RequestId, torch.Tensor]:
-        masks = allowed_tokens(list(matchers.values()), self._vocab)
-        return dict(zip(matchers, masks, strict=True))
+        ids = allowed_token_ids(list(matchers.values()))
+        return dict(zip(matchers, ids, strict=True))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -142,7 +142,7 @@ class ModelRunner:
         self.graphs = graphs
         self.block_size = kv_cache.layout.block_size
         self.device = model.device
-        self.masks = MaskWorker(model.arch.vocab_size)
+        self.masks = MaskWorker()
 
     def execute(
         self, step: SchedulerOutput, on_layer: LayerHook | None = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from shared.engine.grammar_masks import allowed_tokens
+from shared.engine.grammar_masks import allowed_token_ids
 from shared.engine.request import SampledToken, TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
@@ -34,27 +34,25 @@ class SamplingRow:
     position: int  # absolute position the sampled token will take in the sequence
     output_token_ids: Sequence[int]
     matcher: Matcher | None = None  # the row's grammar, when its output is constrained
-    allowed: torch.Tensor | None = None  # [vocab] bool: its mask, if computed already
+    allowed: torch.Tensor | None = None  # the token ids its grammar allows, if known already
 
 
-def _masked_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, torch.Tensor]:
-    """Copies of the constrained rows' logits with the tokens their grammars forbid at
-    -inf (one gather and one fill for the batch), by row index. Masking before the
-    penalties and the bias is the same as after: -inf plus anything stays -inf."""
+def _allowed_ids(rows: Sequence[SamplingRow]) -> dict[int, torch.Tensor]:
+    """The constrained rows' allowed token ids, by row index: prepared beside the
+    forward pass, else computed now. Sampling among them in token order is sampling
+    from the masked logits (argmax keeps the lowest id among equals either way); a
+    grammar that allows nothing leaves its row unmasked, and the token it samples is
+    then refused by the matcher."""
     index = [i for i, r in enumerate(rows) if r.matcher is not None]
-    if not index:
-        return {}
-    masks = [rows[i].allowed for i in index]
-    missing = [k for k, m in enumerate(masks) if m is None]
-    if missing:  # not prepared beside the forward pass: compute them now
-        matchers = [rows[index[k]].matcher for k in missing]
-        fresh = allowed_tokens(matchers, logits.shape[-1])  # type: ignore[arg-type]
-        for k, mask in zip(missing, fresh, strict=True):
-            masks[k] = mask
-    allowed = torch.stack(masks)  # type: ignore[arg-type]
-    sub = logits[torch.tensor(index, device=logits.device)]
-    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
-    return dict(zip(index, sub, strict=True))
+    missing = [i for i in index if rows[i].allowed is None]
+    computed = allowed_token_ids([rows[i].matcher for i in missing]) if missing else []  # type: ignore[misc]
+    found = dict(zip(missing, computed, strict=True))
+    out = {}
+    for i in index:
+        ids = found[i] if i in found else rows[i].allowed
+        if ids is not None and ids.numel():
+            out[i] = ids
+    return out
 
 
 def noise_key(seed: int, position: int) -> int:
@@ -128,16 +126,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     # one argmax over the batch for the plain greedy rows (per row it cost ~65 us each)
     plain = [r.params.greedy and not r.params.adjusts_logits for r in rows]
     best = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
-    masked = _masked_rows(logits, rows)
+    allowed = _allowed_ids(rows)
     out: list[SampledToken] = []
     for i, row in enumerate(rows):
         p = row.params
-        lg = masked.get(i, logits[i])
+        lg = logits[i]
         if p.has_penalties or p.logit_bias:
-            lg = lg if i in masked else lg.clone()  # masked rows are copies already
+            lg = lg.clone()
             if p.has_penalties:
                 apply_penalties(lg, p, row.output_token_ids)
             apply_logit_bias(lg, p)
+        ids = allowed.get(i)
+        if ids is not None:  # only the tokens the grammar allows, in token order
+            lg = lg[ids.to(lg.device)]
         if plain[i]:
             token = best[i]
         elif p.greedy:
@@ -146,6 +147,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
             lg = filter_top_k_top_p(lg / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(lg, dim=-1).cpu()
             token = draw(probs, uniform(row.seed, row.position))
+        if ids is not None:
+            token = int(ids[token])
         lp = None if raw is None or p.logprobs is None else _logprobs(raw[i], token, p.logprobs)
         out.append(SampledToken(token, lp))
     return out
