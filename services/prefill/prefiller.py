@@ -132,7 +132,10 @@ class Prefiller(Worker):
         outputs = self.loop.subscribe(rid)
         added = sampled = False
         try:
-            await self.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+            budget = body.sampling.max_tokens  # a json_object plans to close within it
+            await self.loop.call(
+                lambda e: e.add(req, kv_transfer=plan, detokenize=False, whole_max_tokens=budget)
+            )
             added = True
             yield Accepted(instance_id=self.instance_id, kv_ids=plan.put_ids)
             out = await next_output(outputs)

@@ -195,12 +195,16 @@ class Engine:
         awaiting_first_token: bool = False,
         generated: Sequence[int] = (),
         detokenize: bool = True,
+        whole_max_tokens: int | None = None,
     ) -> RequestId:
         """Queue ``req``. ``kv_transfer`` is what the connector needs to move its KV;
         ``awaiting_first_token``: prefilled elsewhere, it computes nothing until
         :meth:`supply_first_token` (its outputs then start with the second token);
         ``generated``: tokens it already produced elsewhere (a resumed request: its
-        outputs continue after them, sampled exactly as they would have been there)."""
+        outputs continue after them, sampled exactly as they would have been there);
+        ``whole_max_tokens``: the whole request's max_tokens when this engine computes
+        only part of it (prefill: the first token), which its output constraint
+        plans for."""
         if generated:
             if awaiting_first_token:
                 raise InvalidRequestError("a resumed request already has its first token")
@@ -211,7 +215,8 @@ class Engine:
                 raise InvalidRequestError(f"generated token ids must be in [0, {vocab})")
             req.output_token_ids = list(generated)
         if req.params.constraint is not None:  # where its grammar stands after `generated`
-            req.matcher = self.grammars.matcher(req.params.constraint)
+            budget = self.scheduler.limits.output_budget(req, whole_max_tokens)
+            req.matcher = self.grammars.matcher(req.params.constraint, budget)
             req.matcher.replay(req.output_token_ids)
         req.kv_transfer = kv_transfer
         req.awaiting_first_token = awaiting_first_token

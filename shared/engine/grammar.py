@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shared.engine.constraint import Constraint
+from shared.engine.json_closing import JsonCloser
 from shared.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 # small model can otherwise fill max_tokens with newlines)
 JSON_DEFAULTS = {"whitespace_flexible": False}
 CACHED_GRAMMARS = 256
+# json_object: how near the end of its budget an output starts checking that it can still
+# close (a closing longer than this, 60-odd levels deep, is not written)
+FORCE_WINDOW = 64
 
 
 def _llguidance() -> Any:
@@ -74,12 +78,29 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 class Matcher:
-    """One request's state in its grammar (engine thread only)."""
+    """One request's state in its grammar (engine thread only).
 
-    def __init__(self, inner: llguidance.LLMatcher, constraint: Constraint, vocab_size: int):
+    A ``json_object`` matcher that knows the request's output budget (``budget``:
+    tokens it may write) also follows the object's structure, and keeps the object
+    closable in the tokens left (:meth:`within_budget`)."""
+
+    def __init__(
+        self,
+        inner: llguidance.LLMatcher,
+        constraint: Constraint,
+        vocab_size: int,
+        tokenizer: Any = None,
+        budget: int | None = None,
+    ):
         self._m = inner
         self.constraint = constraint
         self.mask_words = -(-vocab_size // 32)  # a mask's length in 32-bit words
+        self._tokenizer = tokenizer
+        self._budget = budget if budget is not None else 0
+        closes = constraint.kind == "json_object" and tokenizer is not None and budget
+        self._closer = JsonCloser() if closes else None
+        self._taken = 0  # output tokens so far
+        self.closed_early = False  # the latest token was written to close in time
 
     def fill_mask(self, bitmask_row: np.ndarray) -> None:
         """The tokens allowed next, as bits (1 = allowed) into a contiguous uint32 row of
@@ -88,10 +109,42 @@ class Matcher:
             raise ValueError("a mask row is a contiguous uint32 array")
         self._m.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
 
+    def within_budget(self, token: int) -> int:
+        """The sampled ``token``, or, when the object could no longer be closed in the
+        tokens left after it, the first token of the shortest closing of what is written
+        (json_closing.py). A function of the tokens so far and the sampled one, so every
+        instance (and a request resumed anywhere) writes the same."""
+        self.closed_early = False
+        left = self._budget - self._taken
+        if self._closer is None or left > FORCE_WINDOW:
+            return token
+        after = self._closer.copy()
+        after.feed(self._tokenizer.decode_bytes([token]))
+        if self._closing_tokens(after, left - 1) is not None:
+            return token
+        closing = self._closing_tokens(self._closer, left)
+        if not closing or self._m.validate_tokens(closing[:1]) != 1:
+            return token  # cannot close in time: the output is cut, as it would be
+        self.closed_early = True
+        return int(closing[0])
+
+    def _closing_tokens(self, closer: JsonCloser, at_most: int) -> list[int] | None:
+        """Tokens of ``closer``'s closing when they number at most ``at_most``."""
+        text = closer.closing()
+        if text is None:
+            return None
+        tokens: list[int] = self._tokenizer.tokenize_str(text) if text else []
+        return tokens if len(tokens) <= at_most else None
+
     def accept(self, token: int) -> bool:
         """Advance by one token of the output; False (and an error state) when the
         grammar does not allow it."""
-        return bool(self._m.consume_token(token))
+        if not self._m.consume_token(token):
+            return False
+        self._taken += 1
+        if self._closer is not None:
+            self._closer.feed(self._tokenizer.decode_bytes([token]))
+        return True
 
     def replay(self, tokens: Sequence[int]) -> None:
         """Advance by tokens produced elsewhere; InvalidRequestError if they do not fit."""
@@ -100,6 +153,15 @@ class Matcher:
                 f"the generated tokens do not match the {self.constraint.kind} constraint: "
                 f"{self._m.get_error()}"
             )
+        self._taken += len(tokens)
+        if self._closer is not None and tokens:
+            self._closer.feed(self._tokenizer.decode_bytes(list(tokens)))
+
+    @property
+    def cut_by_budget(self) -> bool:
+        """A json_object closed because the budget ran out: its last token was written
+        to close in time, or the object ends on the budget's last token."""
+        return self._closer is not None and (self.closed_early or self._taken >= self._budget)
 
     @property
     def done(self) -> bool:
@@ -139,9 +201,13 @@ class GrammarCompiler:
         the problem when it cannot be used (a bad schema, an unsupported keyword)."""
         self._template(constraint)
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher at the start of the constraint's grammar."""
-        return Matcher(self._template(constraint).deep_copy(), constraint, self._vocab_size)
+    def matcher(self, constraint: Constraint, budget: int | None = None) -> Matcher:
+        """A fresh matcher at the start of the constraint's grammar; ``budget``: the
+        output tokens the request may write (a json_object closes within it)."""
+        template = self._template(constraint)
+        return Matcher(
+            template.deep_copy(), constraint, self._vocab_size, self._llg_tokenizer(), budget
+        )
 
     def _template(self, constraint: Constraint) -> Any:
         with self._lock:

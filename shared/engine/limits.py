@@ -33,6 +33,12 @@ class RequestLimits:
                 f"({self.num_slots} x {self.block_size} tokens)"
             )
 
+    def output_budget(self, req: Request, max_tokens: int | None = None) -> int:
+        """The most output tokens ``req`` may write: its max_tokens (or ``max_tokens``),
+        or the context's room."""
+        asked = req.params.max_tokens if max_tokens is None else max_tokens
+        return min(asked, self.max_model_len - req.num_prompt_tokens)
+
     def stop_reason(
         self, req: Request, token: int, num_outputs: int | None = None
     ) -> FinishReason | None:
@@ -45,7 +51,8 @@ class RequestLimits:
         if token in p.stop_token_ids:
             return FinishReason.STOP
         if req.matcher is not None and req.matcher.done:  # its grammar allows nothing more
-            return FinishReason.STOP
+            # an object closed early to fit max_tokens was still cut by it
+            return FinishReason.LENGTH if req.matcher.cut_by_budget else FinishReason.STOP
         if outputs >= p.max_tokens or req.num_prompt_tokens + outputs >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -149,6 +149,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
             token = draw(probs, uniform(row.seed, row.position))
         if ids is not None:
             token = int(ids[token])
+        if row.matcher is not None:  # a json_object that must close to fit max_tokens
+            token = row.matcher.within_budget(token)
         lp = None if raw is None or p.logprobs is None else _logprobs(raw[i], token, p.logprobs)
         out.append(SampledToken(token, lp))
     return out

@@ -131,6 +131,25 @@ def test_json_schema_outputs_equal_the_engines_tokens(client: OpenAI, engine: En
         jsonschema.validate(json.loads(r.choices[0].text), ITEM)
 
 
+@pytest.mark.parametrize("max_tokens", [24, 50])
+def test_a_json_object_cut_by_max_tokens_still_parses(
+    client: OpenAI, engine: Engine, max_tokens: int
+) -> None:
+    """The model repeats array items past any budget: prefill, planning for the whole
+    budget, and decode close the object in time, the engine's tokens exactly."""
+    prompt = engine.tokenizer.encode_chat(ask("Describe a city as a JSON object."))
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"structured_outputs": {"json_object": True}, "return_token_ids": True},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "length"
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0, constraint=Constraint.json_object()
+    )
+    assert r.choices[0].model_extra["token_ids"] == engine.generate([prompt], params)[0].token_ids  # type: ignore[index]
+
+
 def test_json_object_regex_and_choice(client: OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=ask("Give the name and age of a person as a JSON object."),

@@ -99,6 +99,38 @@ def test_a_resumed_request_continues_token_exact(make_engine: EngineFactory) -> 
             assert whole[:cut] + tokens == whole
 
 
+@pytest.mark.parametrize("max_tokens", [12, 30, 75])
+def test_a_json_object_closes_within_max_tokens(
+    make_engine: EngineFactory, max_tokens: int
+) -> None:
+    """The default model repeats array items until any budget runs out: the object is
+    closed in its last tokens instead (finish_reason "length" all the same), the same
+    tokens when the request resumes from any point, seeded too."""
+    engine = make_engine()
+    prompt = chat(make_engine, "Describe a city as a JSON object.")
+    for params in (
+        SamplingParams(max_tokens=max_tokens, temperature=0, constraint=Constraint.json_object()),
+        SamplingParams(
+            max_tokens=max_tokens, temperature=0.7, seed=3, constraint=Constraint.json_object()
+        ),
+    ):
+        done = engine.generate([prompt], params)[0]
+        assert isinstance(json.loads(done.text), dict), done.text
+        assert len(done.token_ids) <= max_tokens
+        if params.greedy:  # the greedy answer repeats itself: cut, and closed
+            assert done.finish_reason.value == "length"
+        n = len(done.token_ids)
+        for cut in sorted({1, n - 3, n - 1} & set(range(1, n))):
+            req = engine.new_request(prompt, params, seed=params.seed or 0)
+            rid = engine.add(req, generated=done.token_ids[:cut], detokenize=False)
+            tokens: list[int] = []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.request_id == rid:
+                        tokens += out.new_token_ids
+            assert done.token_ids[:cut] + tokens == done.token_ids
+
+
 def test_tokens_that_break_the_constraint_are_refused(make_engine: EngineFactory) -> None:
     engine = make_engine()
     prompt = chat(make_engine, "Hi")
