@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -32,9 +35,10 @@ from typing import Any
 
 from benchmarks.bench_cluster import bench_cluster
 from benchmarks.results import save_json
-from shared.bench import structured
+from shared.bench import structured, tools
 from shared.bench.metrics import RequestResult
 from shared.bench.runner import Target, discover_model, run_open_loop
+from shared.bench.structured import Validity
 from shared.bench.workload import RequestSpec
 from shared.config import default_cache_dir
 from shared.engine.constraint import Constraint
@@ -78,37 +82,33 @@ def side(results: list[RequestResult], seconds: float) -> dict[str, float]:
     }
 
 
+Twin = Callable[[RequestSpec, RequestResult], RequestSpec]
+Check = Callable[[Sequence[RequestSpec], Sequence[RequestResult]], Validity]
+
+
 async def pair(
-    target: Target, n: int, input_len: int, max_tokens: int, in_flight: int, seed: int
+    target: Target, specs: list[RequestSpec], twin: Twin, check: Check, in_flight: int
 ) -> dict[str, Any]:
     """Constrained requests and their unconstrained twins in alternating blocks of
     ``2 * in_flight``, so drift in the host's speed falls on both alike."""
-    specs = structured.structured(n, input_len, max_tokens, [0.0] * n, seed)
-    fresh = structured.structured(n, input_len, max_tokens, [0.0] * n, seed + 1)
     constrained: list[RequestResult] = []
     free: list[RequestResult] = []
     took = free_took = 0.0
     block = 2 * in_flight
-    for start in range(0, n, block):
-        got, seconds = await run_open_loop(
-            target, specs[start : start + block], lambda: None, in_flight
-        )
+    for start in range(0, len(specs), block):
+        chunk = specs[start : start + block]
+        got, seconds = await run_open_loop(target, chunk, lambda: None, in_flight)
         constrained += got
         took += seconds
-        twins = [
-            RequestSpec(f.prompt, max(r.output_tokens, 1), 0.0, seed=s.seed)
-            for s, f, r in zip(specs[start:], fresh[start:], got, strict=False)
-            if r.ok
-        ]
+        twins = [twin(s, r) for s, r in zip(chunk, got, strict=True) if r.ok]
         got, seconds = await run_open_loop(target, twins, lambda: None, in_flight)
         free += got
         free_took += seconds
-    validity = structured.check(specs, constrained)
     c, u = tpots(constrained), tpots(free)
     return {
         "in_flight": in_flight,
-        "requests": n,
-        "validity": validity.as_dict(),
+        "requests": len(specs),
+        "validity": check(specs, constrained).as_dict(),
         "constrained": side(constrained, took),
         "unconstrained": side(free, free_took),
         "tpot_ratio_median": statistics.median(c) / statistics.median(u),
@@ -116,7 +116,83 @@ async def pair(
     }
 
 
-async def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def schema_workload(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], Twin]:
+    n = args.requests
+    specs = structured.structured(n, args.input_len, args.output_len, [0.0] * n, seed)
+    # fresh prompts of the same length, so the twin is not served from the prefix cache
+    fresh = iter(structured.structured(n, args.input_len, 1, [0.0] * n, seed + 1))
+    prompts = {id(s): next(fresh).prompt for s in specs}
+
+    def twin(spec: RequestSpec, result: RequestResult) -> RequestSpec:
+        return RequestSpec(prompts[id(spec)], max(result.output_tokens, 1), 0.0, seed=spec.seed)
+
+    return specs, twin
+
+
+def tool_workload(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], Twin]:
+    n = args.tool_requests
+    specs = tools.tool_requests(n, args.output_len, [0.0] * n, seed)
+
+    def twin(spec: RequestSpec, result: RequestResult) -> RequestSpec:
+        # the same tools offered with tool_choice auto (a free output, parsed after), the
+        # same output length; a new user message, so the prompt is not a cache hit whole
+        chat = dict(spec.chat or {})
+        message = dict(chat["messages"][0])
+        message["content"] = "Again. " + message["content"]
+        chat |= {"messages": [message], "tool_choice": "auto", "ignore_eos": True}
+        return replace(spec, max_tokens=max(result.output_tokens, 1), chat=chat, label=None)
+
+    return specs, twin
+
+
+def report(what: str, row: dict[str, Any]) -> None:
+    v = row["validity"]
+    print(
+        f"{what:>10} {row['in_flight']:2d} in flight: {v['valid']}/{v['requests']} valid "
+        f"({v['cut_by_max_tokens']} cut, invalid {v['invalid']}); TPOT median "
+        f"{row['constrained']['tpot_median_s'] * 1e3:.2f} ms constrained vs "
+        f"{row['unconstrained']['tpot_median_s'] * 1e3:.2f} ms free: "
+        f"{row['tpot_ratio_median']:.3f}x (mean {row['tpot_ratio_mean']:.3f}x); TTFT "
+        f"median {row['constrained']['ttft_median_s'] * 1e3:.1f} vs "
+        f"{row['unconstrained']['ttft_median_s'] * 1e3:.1f} ms",
+        flush=True,
+    )
+
+
+async def json_objects(target: Target, n: int, max_tokens: int, seed: int) -> dict[str, Any]:
+    """``response_format: json_object`` on chat prompts that ask for JSON; each answer
+    must parse as one JSON object."""
+    rng = random.Random(seed)
+    things = ["a book", "a city", "a recipe", "a planet", "a laptop", "a movie", "a bird"]
+    specs = [
+        RequestSpec(
+            (), max_tokens, 0.0, seed=rng.randrange(1 << 30) if i % 2 else None,
+            chat={
+                "messages": [{"role": "user", "content":
+                              f"Request {i}: describe {rng.choice(things)} as a JSON object."}],
+                "response_format": {"type": "json_object"},
+            },
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    results, _ = await run_open_loop(target, specs, lambda: None, 8)
+    parsed = cut = 0
+    bad: list[str] = []
+    for r in results:
+        try:
+            if isinstance(json.loads(r.text or ""), dict):
+                parsed += 1
+                continue
+        except ValueError:
+            pass
+        if r.finish_reason == "length":
+            cut += 1
+        else:
+            bad.append((r.text or r.error or "")[:120])
+    return {"requests": n, "parsed": parsed, "cut_by_max_tokens": cut, "unparsed": bad}
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     async with httpx.AsyncClient(timeout=30) as http:
@@ -125,30 +201,38 @@ async def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     warm = structured.structured(len(structured.SCHEMAS), 32, 64, [0.0] * 11, args.seed + 7)
     await run_open_loop(target, warm, lambda: None, 4)
     await run_open_loop(target, [replace(w, structured=None) for w in warm], lambda: None, 4)
-    rows: list[dict[str, Any]] = []
-    for in_flight in args.in_flight:
-        seed = args.seed + 1000 * len(rows)  # fresh prompts each run: no prefix cache
-        row = await pair(target, args.requests, args.input_len, args.output_len, in_flight, seed)
-        rows.append(row)
-        v = row["validity"]
+    out: dict[str, Any] = {"schemas": [], "tools": []}
+    for k, in_flight in enumerate(args.in_flight):
+        seed = args.seed + 1000 * k  # fresh prompts each run: no prefix cache
+        specs, twin = schema_workload(args, seed)
+        row = await pair(target, specs, twin, structured.check, in_flight)
+        out["schemas"].append(row)
+        report("schemas", row)
+        if args.tool_requests:
+            specs, twin = tool_workload(args, seed)
+            row = await pair(target, specs, twin, tools.check, in_flight)
+            out["tools"].append(row)
+            report("tools", row)
+    if args.json_objects:
+        out["json_object"] = got = await json_objects(
+            target, args.json_objects, args.json_object_max_tokens, args.seed
+        )
         print(
-            f"{in_flight:2d} in flight: {v['valid']}/{v['requests']} valid "
-            f"({v['cut_by_max_tokens']} cut, invalid {v['invalid']}); TPOT median "
-            f"{row['constrained']['tpot_median_s'] * 1e3:.2f} ms constrained vs "
-            f"{row['unconstrained']['tpot_median_s'] * 1e3:.2f} ms free: "
-            f"{row['tpot_ratio_median']:.3f}x (mean {row['tpot_ratio_mean']:.3f}x); TTFT "
-            f"median {row['constrained']['ttft_median_s'] * 1e3:.1f} vs "
-            f"{row['unconstrained']['ttft_median_s'] * 1e3:.1f} ms",
+            f"json_object: {got['parsed']}/{got['requests']} parse, "
+            f"{got['cut_by_max_tokens']} cut by max_tokens, unparsed {got['unparsed']}",
             flush=True,
         )
-    return rows
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default=None, help="a running server (default: start a cluster)")
     ap.add_argument("--model", default=None, help="for the compile times (default: embedded)")
-    ap.add_argument("--requests", type=int, default=110, help="per concurrency")
+    ap.add_argument("--requests", type=int, default=110, help="schema requests per concurrency")
+    ap.add_argument("--tool-requests", type=int, default=48, help="per concurrency (0: none)")
+    ap.add_argument("--json-objects", type=int, default=40, help="json_object requests")
+    ap.add_argument("--json-object-max-tokens", type=int, default=512)
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=384, help="max_tokens")
@@ -173,8 +257,8 @@ def main() -> None:
                 bench_cluster(args.logs, "structured", {}, dtype=args.dtype)
             )
             url = local.gateway_url
-        rows = asyncio.run(measure(url, args))
-    save_json(args.out, {"compile": compiled, "runs": rows, "args": vars(args) | {"out": None}})
+        runs = asyncio.run(measure(url, args))
+    save_json(args.out, {"compile": compiled, **runs, "args": vars(args) | {"out": None}})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from shared.bench import prefix_trace, structured
+from shared.bench import prefix_trace, structured, tools
 from shared.bench import workload as wl
 from shared.bench.metrics import SLO, summarize
 from shared.bench.report import RunReport, text_summary, write_json, write_png
@@ -20,7 +20,15 @@ from shared.bench.runner import Target, discover_model, run_conversations, run_o
 from shared.config import DEFAULT_BLOCK_SIZE
 from shared.errors import InvalidRequestError
 
-WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn", "prefix-trace", "structured")
+WORKLOADS = (
+    "synthetic",
+    "trace",
+    "shared-prefix",
+    "multi-turn",
+    "prefix-trace",
+    "structured",
+    "tools",
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -146,6 +154,8 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[wl.RequestSpec
         )  # fmt: skip
     if args.workload == "structured":
         return structured.structured(n, args.input_len, args.output_len, times, args.seed)
+    if args.workload == "tools":
+        return tools.tool_requests(n, args.output_len, times, args.seed)
     return wl.synthetic(n, args.input_len, args.output_len, times, args.seed)
 
 
@@ -184,6 +194,8 @@ async def _run(args: argparse.Namespace) -> int:
         validity = None
         if args.workload == "structured":
             validity = structured.check(specs, results).as_dict()
+        elif args.workload == "tools":
+            validity = tools.check(specs, results).as_dict()
         run = RunReport(label, rate, summarize(results, duration, slo), results, validity)
         runs.append(run)
         print(text_summary(run), flush=True)

@@ -32,6 +32,7 @@ class RequestResult:
     oracle_cached: int | None = None  # prefix traces: what an infinite cache would serve
     text: str | None = None  # the output's text (kept for the structured workload's checks)
     finish_reason: str | None = None
+    tool_calls: tuple[tuple[str, str], ...] | None = None  # chat: (name, arguments) each
 
     @property
     def ok(self) -> bool:

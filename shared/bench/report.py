@@ -22,7 +22,7 @@ class RunReport:
     request_rate: float | None
     summary: Summary
     results: list[RequestResult]
-    validity: dict[str, Any] | None = None  # structured workload: outputs against schemas
+    validity: dict[str, Any] | None = None  # structured and tools: outputs checked
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,8 +74,8 @@ def text_summary(run: RunReport) -> str:
     if run.validity is not None:
         v = run.validity
         lines.append(
-            f"structured: {v['valid']} of {v['requests']} outputs validate against their "
-            f"schemas, {v['cut_by_max_tokens']} cut by max_tokens, invalid: {v['invalid']}"
+            f"checked: {v['valid']} of {v['requests']} outputs valid, "
+            f"{v['cut_by_max_tokens']} cut by max_tokens, invalid: {v['invalid']}"
         )
     lines.append(f"{'(ms)':6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):

@@ -1,11 +1,12 @@
 """Sending the workload: open loop (each request at its arrival time), fixed
 concurrency (closed loop), and conversations (a turn waits for the previous one).
 
-One long-lived ``httpx.AsyncClient`` per run. Every request streams from
-``/v1/completions`` with token-id prompts, ``ignore_eos`` and
-``stream_options.include_usage``; a chunk with choices stamps the time. A
-request that fails (status, broken stream, timeout) is recorded with its
-error, never dropped.
+One long-lived ``httpx.AsyncClient`` per run. Every request streams with
+``stream_options.include_usage``: from ``/v1/completions`` with token-id prompts
+and ``ignore_eos`` (unless its output is constrained), or, when the workload
+brings messages (tool calls), from ``/v1/chat/completions``. A chunk that carries
+output stamps the time. A request that fails (status, broken stream, timeout) is
+recorded with its error, never dropped.
 """
 
 from __future__ import annotations
@@ -48,21 +49,7 @@ async def send(
     its timeline and the output token ids when the server reports them (Baton and vLLM
     do with ``return_token_ids``)."""
     prompt = spec.prompt if prompt is None else prompt
-    max_tokens = spec.max_tokens
-    body: dict[str, Any] = {
-        "model": target.model,
-        "prompt": list(prompt),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
-    if spec.seed is not None:
-        body |= {"temperature": 0.8, "seed": spec.seed}
-    if spec.structured is not None:  # the output ends where its schema closes
-        body |= {"structured_outputs": spec.structured, "ignore_eos": False}
+    path, body = _request_body(target, spec, prompt)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     start = time.perf_counter()
     stamps: list[float] = []
@@ -71,11 +58,11 @@ async def send(
     cached: int | None = None
     error: str | None = None
     texts: list[str] = []
+    calls: dict[int, list[str]] = {}  # chat: tool call index -> [name, arguments]
+    prompt_tokens = len(prompt)
     finish: str | None = None
     try:
-        async with http.stream(
-            "POST", target.base_url + "/v1/completions", json=body, headers=headers
-        ) as r:
+        async with http.stream("POST", target.base_url + path, json=body, headers=headers) as r:
             if r.status_code != 200:
                 error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
             else:
@@ -87,14 +74,20 @@ async def send(
                         error = f"stream error: {chunk['error'].get('message', '')[:200]}"
                         break
                     if chunk.get("choices"):
-                        stamps.append(time.perf_counter())
                         choice = chunk["choices"][0]
+                        delta = choice.get("delta") or {}
+                        shown = spec.chat is None or _chat_delta(delta, texts, calls)
+                        if shown or choice.get("token_ids"):  # held-back tokens count too
+                            stamps.append(time.perf_counter())
                         tokens += choice.get("token_ids") or []
-                        texts.append(choice.get("text") or "")
+                        if spec.chat is None:
+                            texts.append(choice.get("text") or "")
                         finish = choice.get("finish_reason") or finish
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                         usage_tokens = int(usage["completion_tokens"])
+                        if spec.chat is not None:
+                            prompt_tokens = int(usage["prompt_tokens"])
                         details = usage.get("prompt_tokens_details") or {}
                         if details.get("cached_tokens") is not None:
                             cached = int(details["cached_tokens"])
@@ -104,7 +97,7 @@ async def send(
     output = usage_tokens if usage_tokens is not None else max(0, len(stamps) - 1)
     content_stamps = stamps[:output] if output else stamps
     result = RequestResult(
-        prompt_tokens=len(prompt),
+        prompt_tokens=prompt_tokens,
         output_tokens=output,
         start=start,
         chunk_times=tuple(content_stamps),
@@ -113,10 +106,45 @@ async def send(
         cached_tokens=cached,
         turn=spec.turn if spec.conversation is not None else None,
         oracle_cached=spec.oracle_cached,
-        text="".join(texts) if spec.structured is not None else None,
+        text="".join(texts) if spec.structured is not None or spec.chat is not None else None,
         finish_reason=finish,
+        tool_calls=tuple((c[0], c[1]) for _, c in sorted(calls.items())) if calls else None,
     )
     return result, tokens
+
+
+def _request_body(
+    target: Target, spec: RequestSpec, prompt: Sequence[int]
+) -> tuple[str, dict[str, Any]]:
+    """The endpoint and body: completions over token ids (``ignore_eos``: exactly
+    ``max_tokens``), or chat when the spec carries messages."""
+    body: dict[str, Any] = {
+        "model": target.model,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if spec.seed is not None:
+        body |= {"temperature": 0.8, "seed": spec.seed}
+    if spec.chat is not None:  # a chunk per token, even while a tool call is held back
+        return "/v1/chat/completions", body | {"return_token_ids": True} | spec.chat
+    body |= {"prompt": list(prompt), "ignore_eos": True, "return_token_ids": True}
+    if spec.structured is not None:  # the output ends where its schema closes
+        body |= {"structured_outputs": spec.structured, "ignore_eos": False}
+    return "/v1/completions", body
+
+
+def _chat_delta(delta: dict[str, Any], texts: list[str], calls: dict[int, list[str]]) -> bool:
+    """Collect a chat chunk's content and tool-call pieces; whether it carried output."""
+    if delta.get("content"):
+        texts.append(delta["content"])
+    for call in delta.get("tool_calls") or []:
+        entry = calls.setdefault(int(call.get("index", 0)), ["", ""])
+        fn = call.get("function") or {}
+        entry[0] += fn.get("name") or ""
+        entry[1] += fn.get("arguments") or ""
+    return bool(delta.get("content") or delta.get("tool_calls"))
 
 
 async def run_open_loop(

@@ -39,6 +39,7 @@ class RequestSpec:
     structured: dict[str, Any] | None = None  # sent as ``structured_outputs``
     label: str | None = None  # structured: which schema
     seed: int | None = None  # sampled with this seed at temperature 0.8 (None: greedy)
+    chat: dict[str, Any] | None = None  # sent to chat completions: messages, tools, ...
 
 
 def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:

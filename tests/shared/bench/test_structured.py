@@ -23,7 +23,7 @@ def test_schemas_are_valid_and_distinct() -> None:
 def test_requests_cycle_schemas_and_alternate_greedy_and_seeded() -> None:
     specs = structured.structured(24, 16, 64, [float(i) for i in range(24)], seed=3)
     assert [s.label for s in specs[:11]] == [n for n, _ in structured.SCHEMAS]
-    assert all(s.structured == {"json": dict(structured.SCHEMAS)[s.label]} for s in specs)
+    assert all(s.structured == {"json": dict(structured.SCHEMAS)[s.label or ""]} for s in specs)
     assert [s.seed is None for s in specs[:4]] == [True, False, True, False]
     again = structured.structured(24, 16, 64, [float(i) for i in range(24)], seed=3)
     assert [s.seed for s in again] == [s.seed for s in specs]
