@@ -25,14 +25,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from shared.engine.constraint import Constraint
 from shared.engine.json_closing import JsonCloser
 from shared.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import llguidance
+    import numpy as np  # the engine's mask rows; the gateway checks schemas without numpy
 
 # JSON as OpenAI's structured outputs writes it: no free whitespace between tokens (a
 # small model can otherwise fill max_tokens with newlines)
@@ -105,7 +104,7 @@ class Matcher:
     def fill_mask(self, bitmask_row: np.ndarray) -> None:
         """The tokens allowed next, as bits (1 = allowed) into a contiguous uint32 row of
         ``ceil(vocab / 32)`` words (any thread; the matcher must not move meanwhile)."""
-        if not bitmask_row.flags.c_contiguous or bitmask_row.dtype != np.uint32:
+        if not bitmask_row.flags.c_contiguous or bitmask_row.dtype.str != "<u4":
             raise ValueError("a mask row is a contiguous uint32 array")
         self._m.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
 

@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from shared.config import PreemptionSetting
 from shared.engine.constraint import Constraint
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
@@ -157,3 +158,29 @@ def test_a_constraint_that_does_not_compile_is_refused_before_compute(
     params = SamplingParams(max_tokens=10, constraint=constraint)
     with pytest.raises(InvalidRequestError, match=message):
         engine.new_request([1, 2, 3], params)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_constrained_requests_keep_their_tokens(
+    make_engine: EngineFactory, mode: PreemptionSetting
+) -> None:
+    """Swapped out and back, or recomputed: the matcher stays with the request and the
+    outputs (json_object closing in time included) are those of an unpressed run."""
+    engine = make_engine()
+    topics = ["a city", "a river", "a film", "a cat", "a car", "a song", "a tree", "a book"]
+    prompts = [chat(make_engine, f"Describe {t} as a JSON object.") for t in topics]
+    constraints = [Constraint.json_object(), Constraint.json_schema(PERSON)]
+    params = [
+        SamplingParams(
+            max_tokens=48, temperature=0.8 if i % 2 else 0, seed=i, constraint=constraints[i % 2]
+        )
+        for i in range(len(prompts))
+    ]
+    reference = engine.generate(prompts, params)
+    # 20 blocks of 16 tokens cannot hold all 8 sequences at once
+    tight = make_engine(kv_cache_bytes=20 * 46_080 * 16, preemption_mode=mode)
+    out = tight.generate(prompts, params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+    assert tight.snapshot().preemptions > 0
+    for o in out:
+        assert isinstance(json.loads(o.text), dict), o.text
