@@ -5,14 +5,21 @@ One layer of the default model's shape (9 query heads, 3 KV heads, head_dim
 times both implementations alternately (ABAB...) and prints the median times
 and their ratio (< 1.0: the kernel is faster). Cases: fresh prompts of several
 lengths, and a chunk on top of a cached prefix (SDPA then needs the context
-gathered from the pool first, as the engine's SDPA path does).
+gathered from the pool first, as the engine's SDPA path does). GFLOP/s count
+the causal work (4 * heads * head_dim per query-key pair attended).
 
-    python -m benchmarks.attention_bench --out bench-results/attention.json
+``--against REV`` also builds the kernel as it was at git revision REV (its
+``shared/kernels`` sources) and times it in the same rounds, for a before/after
+ratio measured side by side.
+
+    python -m benchmarks.attention_bench --against HEAD~1 --out bench-results/attention.json
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -22,6 +29,7 @@ import torch
 from benchmarks.engine_bench import paired
 from benchmarks.results import save_json
 from shared.config import default_cache_dir
+from shared.kernels.build import build_library
 from shared.kernels.paged_prefill import PagedPrefillKernel
 from shared.model.attention import PrefillSegment
 from shared.model.prefill_attention import NativePrefill, PrefillAttention, SdpaPrefill
@@ -44,6 +52,31 @@ def make_inputs(new: int, context: int, dtype: torch.dtype, seed: int = 0) -> In
     return q, k_ctx[-new:], v_ctx[-new:], k_pool, v_pool, seg
 
 
+def flops(new: int, context: int) -> float:
+    """Causal attention work of ``new`` rows on top of ``context - new`` cached tokens."""
+    pairs = sum(context - new + i + 1 for i in range(new))
+    return 4.0 * HEADS * HEAD_DIM * pairs
+
+
+def kernel_at(rev: str, out_dir: Path) -> PagedPrefillKernel:
+    """The prefill kernel compiled from git revision ``rev``'s sources."""
+    src = out_dir / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "shared/kernels/"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    for name in names:
+        if name.endswith((".c", ".h")):
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{name}"], check=True, capture_output=True, text=True
+            ).stdout
+            (src / Path(name).name).write_text(text)
+    return PagedPrefillKernel(build_library(src / "paged_decode.c", out_dir))
+
+
 def timed(impl: PrefillAttention, args: Inputs, scale: float, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -57,10 +90,14 @@ def main() -> None:
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--prompts", nargs="+", type=int, default=[128, 512, 1024, 2048])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--against", metavar="REV", default=None, help="git revision to compare")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     kernel = PagedPrefillKernel.build(default_cache_dir() / "kernels")
     native, sdpa = NativePrefill(kernel), SdpaPrefill()
+    before = None
+    if args.against:
+        before = NativePrefill(kernel_at(args.against, Path(tempfile.mkdtemp(prefix="attn-"))))
     # (new tokens, context): fresh prompts, then a 512-token chunk on a cached prefix
     cases = [(n, n) for n in args.prompts] + [(512, 2048)]
     results = []
@@ -76,6 +113,13 @@ def main() -> None:
                     partial(timed, sdpa, inputs, HEAD_DIM**-0.5, reps),
                     args.repeats,
                 )
+                t_before = None
+                if before is not None:
+                    t_before, t_native = paired(
+                        partial(timed, before, inputs, HEAD_DIM**-0.5, reps),
+                        partial(timed, native, inputs, HEAD_DIM**-0.5, reps),
+                        args.repeats,
+                    )
                 row = {
                     "dtype": dtype_name,
                     "threads": threads,
@@ -84,14 +128,23 @@ def main() -> None:
                     "native_ms": t_native * 1e3,
                     "sdpa_ms": t_sdpa * 1e3,
                     "time_ratio": t_native / t_sdpa,
+                    "native_gflops": flops(new, context) / t_native / 1e9,
+                    "sdpa_gflops": flops(new, context) / t_sdpa / 1e9,
                 }
-                results.append(row)
-                print(
+                line = (
                     f"prefill attention {dtype_name:8s} threads={threads} new={new:<5d} "
-                    f"context={context:<5d} native {row['native_ms']:7.2f} ms  "
-                    f"sdpa {row['sdpa_ms']:7.2f} ms  time ratio {row['time_ratio']:.2f}",
-                    flush=True,
+                    f"context={context:<5d} native {row['native_ms']:7.2f} ms "
+                    f"({row['native_gflops']:5.1f} GFLOP/s)  sdpa {row['sdpa_ms']:7.2f} ms "
+                    f"({row['sdpa_gflops']:5.1f})  time ratio {row['time_ratio']:.2f}"
                 )
+                if t_before is not None:
+                    row["before_ms"] = t_before * 1e3
+                    row["against"] = args.against
+                    row["time_vs_before"] = t_native / t_before
+                    then = f"{args.against} {t_before * 1e3:7.2f} ms"
+                    line += f"  {then} (now/then {t_native / t_before:.2f})"
+                results.append(row)
+                print(line, flush=True)
     save_json(args.out, results)
 
 
