@@ -118,7 +118,14 @@ def test_as_accurate_as_sdpa(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (32, 8, 128, 16), (12, 1, 32, 8), (10, 2, 40, 8), (4, 4, 64, 16), (8, 4, 64, 32)],
+    [
+        (9, 3, 64, 16),
+        (32, 8, 128, 16),
+        (12, 1, 32, 8),
+        (10, 2, 40, 8),
+        (4, 4, 64, 16),
+        (8, 4, 64, 32),
+    ],
 )
 def test_each_row_is_bitwise_what_decode_computes(
     kernel: PagedPrefillKernel,
