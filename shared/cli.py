@@ -224,6 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"host memory per worker for swapped KV ({from_settings('swap_space_gb')})",
     )
     up.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        help="time-to-first-token target, seconds, carried to every instance; the gateway "
+        "counts requests within it and `baton status` shows the last minute "
+        f"({from_settings('slo_ttft', 'none')})",
+    )
+    up.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=None,
+        help=f"time-per-output-token target, seconds ({from_settings('slo_tpot', 'none')})",
+    )
+    up.add_argument(
         "--pin",
         action="store_true",
         help="pin CPUs: prefill on core 0 and decode's engine on core 1 (its I/O on core 0), "
@@ -372,6 +386,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _service_env(args: argparse.Namespace, settings: BatonSettings) -> dict[str, str]:
+    """Settings ``baton up`` passes to every service it starts, as their environment."""
+    extra_env = {"BATON_CACHE_DIR": str(settings.cache_dir)}
+    if args.device:
+        extra_env["BATON_DEVICE"] = args.device
+    if args.preemption_mode:
+        extra_env["BATON_PREEMPTION_MODE"] = args.preemption_mode
+    if args.swap_space_gb is not None:
+        if args.swap_space_gb < 0:
+            raise InvalidRequestError("--swap-space-gb must not be negative")
+        extra_env["BATON_SWAP_SPACE_GB"] = repr(args.swap_space_gb)
+    for name in ("slo_ttft", "slo_tpot"):
+        value = getattr(args, name)
+        if value is not None:
+            if value <= 0:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be positive (seconds)")
+            extra_env[f"BATON_{name.upper()}"] = repr(value)
+    return extra_env
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from shared.cluster.auth import generate_secret
     from shared.launcher import DEFAULT_PORTS, KVSTORE_DATA_PORT, LocalCluster, Topology
@@ -415,15 +449,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # one secret for the cluster's life (children restarted later get the same one)
     secret = settings.cluster_secret or generate_secret()
 
-    extra_env = {"BATON_CACHE_DIR": str(settings.cache_dir)}
-    if args.device:
-        extra_env["BATON_DEVICE"] = args.device
-    if args.preemption_mode:
-        extra_env["BATON_PREEMPTION_MODE"] = args.preemption_mode
-    if args.swap_space_gb is not None:
-        if args.swap_space_gb < 0:
-            raise InvalidRequestError("--swap-space-gb must not be negative")
-        extra_env["BATON_SWAP_SPACE_GB"] = repr(args.swap_space_gb)
+    extra_env = _service_env(args, settings)
 
     def topology(redis_url: str) -> Topology:
         return Topology(
@@ -459,6 +485,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
     from shared.cluster.keys import Keys
+    from shared.cluster.slo import read as read_slo
     from shared.cluster.status import cluster_members, render
 
     settings = BatonSettings()
@@ -466,8 +493,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
     redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
         while True:
+            keys = Keys(args.prefix or settings.redis_prefix)
             try:
-                members = await cluster_members(redis, Keys(args.prefix or settings.redis_prefix))
+                members = await cluster_members(redis, keys)
+                slo = await read_slo(redis, keys)
             except (RedisError, OSError) as exc:
                 raise ConfigError(f"cannot read the cluster from {url}: {exc}") from exc
             if args.json:
@@ -477,6 +506,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 if args.watch:
                     print("\033[2J\033[H", end="")  # clear the terminal between refreshes
                 print(render(members, time.time()), flush=True)
+                if slo is not None:
+                    print(slo.describe(), flush=True)
             if not args.watch:
                 return 0 if members else 1
             await asyncio.sleep(args.watch)

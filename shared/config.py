@@ -90,6 +90,20 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class SloConfig:
+    """The cluster's latency targets, in seconds (None: no target on that measure). A
+    request meets them when its time to first token and its time per output token
+    (after the first; a one-token output has none) are each within their target."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @property
+    def is_set(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where the cluster's shared state lives and how data moves between nodes."""
 
@@ -148,6 +162,9 @@ class BatonSettings(BaseSettings):
     index_ttl_s: float = Field(default=3600.0, gt=0)
     # the cluster secret internal surfaces demand (`baton up` generates one)
     cluster_secret: str | None = Field(default=None, min_length=16, repr=False)
+    # latency targets, seconds (`baton up --slo-ttft/--slo-tpot`): every process reads them
+    slo_ttft: float | None = Field(default=None, gt=0)
+    slo_tpot: float | None = Field(default=None, gt=0)
 
     def engine_cpu_set(self) -> frozenset[int] | None:
         if self.engine_cpus is None:
@@ -167,6 +184,9 @@ class BatonSettings(BaseSettings):
             index_ttl_s=self.index_ttl_s,
             secret=self.cluster_secret,
         )
+
+    def slo(self) -> SloConfig:
+        return SloConfig(ttft_s=self.slo_ttft, tpot_s=self.slo_tpot)
 
     def resolved_dtype(self) -> DType:
         """The compute dtype: the setting, or for ``auto`` what the hardware runs natively."""

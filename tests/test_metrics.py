@@ -18,6 +18,7 @@ from services.gateway.metrics import ChoiceTimes, GatewayMetrics
 from services.gateway.timeline import Timeline
 from services.kvstore.metrics import StoreMetrics
 from services.prefill.prefiller import PrefillMetrics
+from shared.config import SloConfig
 from shared.engine.request import CacheHit
 from shared.engine.snapshot import EngineSnapshot
 from shared.kvstore.connector_metrics import ConnectorMetrics
@@ -168,6 +169,37 @@ def test_finish_reasons_follow_the_outcome_and_count_each_choice() -> None:
     assert value(fams["baton_tpot_seconds"], "baton_tpot_seconds_count") == 1
     assert value(fams["baton_requests"], "baton_requests_total", outcome="ok") == 1
     assert value(fams["baton_e2e_seconds"], "baton_e2e_seconds_count") == 1
+
+
+def test_requests_are_counted_within_and_outside_each_slo() -> None:
+    """With targets set, every finished request is judged (a failed one misses, one whose
+    client left is not judged) and the last minute's attainment follows."""
+    m = GatewayMetrics(MODEL, 4096, SloConfig(ttft_s=1.0, tpot_s=0.1))
+    m.finished("ok", 0.0, [ChoiceTimes(0.5, 1.4, 10, "stop")])  # TTFT 0.5, TPOT 0.1: met
+    m.finished("ok", 0.0, [ChoiceTimes(2.0, 2.9, 10, "stop")])  # TTFT missed
+    m.finished("ok", 0.0, [ChoiceTimes(0.5, 3.2, 10, "length")])  # TPOT 0.3 missed
+    m.finished("error", 0.0, [])
+    m.finished("client_gone", 0.0, [])
+    slo = scrape(m.registry)["baton_slo_requests"]
+    counts = {
+        (target, outcome): value(slo, "baton_slo_requests_total", target=target, outcome=outcome)
+        for target in ("ttft", "tpot", "both")
+        for outcome in ("met", "missed")
+    }
+    assert counts == {
+        ("ttft", "met"): 2, ("ttft", "missed"): 2,
+        ("tpot", "met"): 2, ("tpot", "missed"): 2,
+        ("both", "met"): 1, ("both", "missed"): 3,
+    }  # fmt: skip
+    a = m.slo_window.attainment()
+    assert (a.requests, a.both_met) == (4, 0.25)
+
+
+def test_without_targets_nothing_is_judged() -> None:
+    m = GatewayMetrics(MODEL, 4096)
+    m.finished("ok", 0.0, [ChoiceTimes(5.0, 9.0, 2, "stop")])
+    assert not scrape(m.registry)["baton_slo_requests"].samples
+    assert m.slo_window.attainment().describe() == "SLO not set"
 
 
 def test_timeline_records_ttft_once_per_choice_and_the_finish_reason() -> None:

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import secrets
 import time
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -50,6 +51,7 @@ from services.gateway.status_page import PAGE, snapshot
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.keys import Keys
+from shared.cluster.slo import publish as publish_slo
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
 from shared.engine.constraint import Constraint
@@ -107,7 +109,8 @@ class Gateway:
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        self.metrics = GatewayMetrics(model.name, model.arch.max_position_embeddings)
+        self.metrics = GatewayMetrics(model.name, model.arch.max_position_embeddings, baton.slo())
+        self._slo_task: asyncio.Task[None] | None = None
         # the engine's own checks, run here so a bad schema costs no instance anything
         tok = model.tokenizer
         self.grammars = GrammarCompiler(tok.to_json(), model.arch.vocab_size, tok.eos_token_ids)
@@ -129,12 +132,28 @@ class Gateway:
 
     async def start(self) -> None:
         await self.router.start()
+        if self.metrics.slo_window.targets.is_set:
+            self._slo_task = asyncio.create_task(self._publish_slo(), name="slo-publisher")
 
     async def stop(self) -> None:
+        if self._slo_task is not None:
+            self._slo_task.cancel()
+            await asyncio.gather(self._slo_task, return_exceptions=True)
         await self.router.stop()
         await self.handoff.background.drain()
         await self.http.aclose()
         await self.redis.aclose()
+
+    async def _publish_slo(self) -> None:
+        """Keeps the last minute's SLO attainment in Redis for ``baton status``."""
+        every = self.settings.refresh_s * 2
+        while True:
+            try:
+                attainment = self.metrics.slo_window.attainment()
+                await publish_slo(self.redis, self.keys, attainment, every * 3)
+            except RedisError as exc:  # transient: the next round writes it again
+                log.warning("could not publish SLO attainment: %s", exc)
+            await asyncio.sleep(every)
 
     # -- edge checks -------------------------------------------------------------------
     def check_auth(self, request: Request) -> str | None:
@@ -453,6 +472,7 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
         gw = gateway(request)
         try:
             body = await snapshot(gw.redis, gw.keys, gw.metrics.recent, gw.model.name)
+            body["slo"] = asdict(gw.metrics.slo_window.attainment())
         except RedisError as exc:
             return error_response(
                 ServiceError(503, f"Redis is unreachable: {exc}", code="redis_unavailable")

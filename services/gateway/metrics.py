@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.gateway.status_page import RecentLatencies
+from shared.cluster.slo import SloWindow, judge
+from shared.config import SloConfig
 from shared.serving.metrics import (
     MODEL_LABEL,
     VLLM_ITL_BUCKETS,
@@ -60,8 +62,9 @@ class PromptTokens:
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, slo: SloConfig | None = None):
         self.recent = RecentLatencies()  # the status page's sparklines
+        self.slo_window = SloWindow(slo or SloConfig())  # the last minute's attainment
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         self.ttft = latency_histogram(r, "baton_ttft_seconds", "Request arrival to first token")
@@ -123,6 +126,14 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.slo_requests = Counter(
+            "baton_slo_requests",
+            "Requests judged against the latency targets (BATON_SLO_TTFT, BATON_SLO_TPOT), "
+            "by target (ttft, tpot, both) and outcome (met, missed); a request that failed "
+            "misses every target, one whose client left is not judged",
+            ["target", "outcome"],
+            registry=r,
+        )
         self._vllm(r, max_model_len)
         self.prompt_tokens = PromptTokens(
             Counter("baton_prompt_tokens", "Prompt tokens", registry=r),
@@ -221,6 +232,8 @@ class GatewayMetrics:
             self.vllm_tpot.observe(decode / (c.tokens - 1) if c.tokens > 1 else 0.0)
             self.vllm_request_generation_tokens.observe(c.tokens)
         if outcome != "ok" or not choices:
+            if outcome != "client_gone":
+                self._judge(None, None)
             return
         first, last = min(c.first for c in choices), max(c.last for c in choices)
         longest = max(c.tokens for c in choices)
@@ -229,6 +242,18 @@ class GatewayMetrics:
         if tpot is not None:
             self.tpot.observe(tpot)
         self.recent.record(first - start, tpot)
+        self._judge(first - start, tpot)
+
+    def _judge(self, ttft: float | None, tpot: float | None) -> None:
+        window = self.slo_window
+        if not window.targets.is_set:
+            return
+        verdict = judge(window.targets, ttft, tpot)
+        window.record(verdict)
+        for target, met in (("ttft", verdict.ttft), ("tpot", verdict.tpot)):
+            if met is not None:
+                self.slo_requests.labels(target, "met" if met else "missed").inc()
+        self.slo_requests.labels("both", "met" if verdict.both else "missed").inc()
 
     def observe_cache(self, predicted: int, actual: int) -> None:
         self.cached_tokens.inc(actual)

@@ -89,6 +89,7 @@ td { font-variant-numeric: tabular-nums; }
     <svg id="ttft" width="320" height="60" aria-label="TTFT sparkline"></svg></div>
   <div class="card"><h2>TPOT (ms), last requests</h2><div class="value" id="tpot-now">-</div>
     <svg id="tpot" width="320" height="60" aria-label="TPOT sparkline"></svg></div>
+  <div class="card"><h2>SLO attainment, last minute</h2><div class="value" id="slo">-</div></div>
 </div>
 <table><thead><tr id="head"></tr></thead><tbody id="rows"></tbody></table>
 <script>
@@ -107,6 +108,16 @@ function spark(id, values, color) {
   const d = xy.map((p, i) => (i ? "L" : "M") + p[0].toFixed(1) + "," + p[1].toFixed(1)).join("");
   svg.innerHTML = '<path class="line" d="' + d + '" fill="none" stroke="' + color +
     '" stroke-width="1.5"/>';
+}
+function pct(x) { return x === null ? "-" : Math.round(x * 100) + "%"; }
+function sloText(a) {
+  if (!a || (a.ttft_s === null && a.tpot_s === null)) return "no targets set";
+  const t = [];
+  if (a.ttft_s !== null) t.push("TTFT \u2264 " + a.ttft_s + " s");
+  if (a.tpot_s !== null) t.push("TPOT \u2264 " + a.tpot_s + " s");
+  if (!a.requests) return t.join(", ") + ": no requests";
+  return pct(a.both_met) + " of " + a.requests + " met " + t.join(", ") +
+    " (TTFT " + pct(a.ttft_met) + ", TPOT " + pct(a.tpot_met) + ")";
 }
 function add(parent, tag, text) {
   const el = document.createElement(tag);
@@ -132,6 +143,7 @@ async function refresh() {
     }
     spark("ttft", s.ttft_ms, "#2f6fdf");
     spark("tpot", s.tpot_ms, "#1b9e5a");
+    document.getElementById("slo").textContent = sloText(s.slo);
     meta.className = "";
     meta.textContent = s.model + " · " + s.instances.length + " instances · updated " +
       new Date(s.updated * 1000).toLocaleTimeString();

@@ -32,3 +32,7 @@ class Keys:
     def holders(self) -> str:
         """The set of instance ids that have entries in the prompt index."""
         return f"{self.prefix}:holders"
+
+    def slo(self) -> str:
+        """The gateway's latest SLO attainment (see shared.cluster.slo)."""
+        return f"{self.prefix}:slo"

@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from shared.errors import InvalidRequestError
 from shared.launcher import Topology, plan
 from shared.procs import free_ports
 
@@ -145,3 +146,23 @@ def test_no_prefix_cache_reaches_every_service() -> None:
     assert {s.env.get("BATON_ENABLE_PREFIX_CACHING") for s in off} == {"false"}
     on = plan(Topology(redis_url="redis://r:1/0"))
     assert all("BATON_ENABLE_PREFIX_CACHING" not in s.env for s in on)
+
+
+def test_slo_targets_reach_every_service() -> None:
+    """``baton up --slo-ttft/--slo-tpot``: each service's environment carries the targets
+    its settings read; a target that is not positive is refused."""
+    from shared.cli import _service_env, build_parser
+    from shared.config import BatonSettings, SloConfig
+
+    settings = BatonSettings()
+    args = build_parser().parse_args(["up", "--slo-ttft", "3", "--slo-tpot", "0.1"])
+    env = _service_env(args, settings)
+    assert (env["BATON_SLO_TTFT"], env["BATON_SLO_TPOT"]) == ("3.0", "0.1")
+    services = plan(Topology(redis_url="redis://r:1/0", extra_env=env))
+    assert {(s.env["BATON_SLO_TTFT"], s.env["BATON_SLO_TPOT"]) for s in services} == {
+        ("3.0", "0.1")
+    }
+    assert BatonSettings(slo_ttft=3.0, slo_tpot=0.1).slo() == SloConfig(3.0, 0.1)
+    assert "BATON_SLO_TTFT" not in _service_env(build_parser().parse_args(["up"]), settings)
+    with pytest.raises(InvalidRequestError, match="--slo-tpot must be positive"):
+        _service_env(build_parser().parse_args(["up", "--slo-tpot", "0"]), settings)

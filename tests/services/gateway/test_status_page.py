@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -19,9 +20,10 @@ from fastapi.testclient import TestClient
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_page import RecentLatencies
+from shared.cli import main as cli_main
 from shared.cluster.status import COLUMNS
 from shared.config import BatonSettings
-from shared.procs import free_port
+from shared.procs import RedisProcess, free_port
 from tests.services.conftest import MODEL, Cluster
 
 BROWSER_FLAGS = (
@@ -73,6 +75,7 @@ def test_status_page_renders_every_instance_and_the_sparklines(
     roles = sorted(i["role"] for i in data["instances"])
     assert roles == ["decode", "decode", "kvstore", "prefill", "prefill"]
     assert len(data["ttft_ms"]) >= 3 and all(v > 0 for v in data["ttft_ms"])
+    assert data["slo"]["ttft_s"] is None and data["slo"]["both_met"] is None  # no targets
 
     dom = browse(cluster.url + "/status", tmp_path, "--dump-dom").stdout
     shown = set(re.findall(r'data-instance="([^"]+)"', dom))
@@ -82,6 +85,7 @@ def test_status_page_renders_every_instance_and_the_sparklines(
     assert len(re.findall(r'<path class="line" d="M[\d.]+,[\d.]+L', dom)) == 2  # both drawn
     meta = re.search(r'<div id="meta"[^>]*>([^<]*)</div>', dom)
     assert meta is not None and f"{len(shown)} instances" in meta.group(1), meta
+    assert '<div class="value" id="slo">no targets set</div>' in dom
 
     shot = tmp_path / "status.png"
     browse(cluster.url + "/status", tmp_path, f"--screenshot={shot}", "--window-size=1200,560")
@@ -100,3 +104,26 @@ def test_status_data_is_503_while_redis_is_unreachable() -> None:
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "redis_unavailable"
         assert not {"/status", "/status.json"} & set(client.get("/openapi.json").json()["paths"])
+
+
+def test_slo_attainment_reaches_the_status_data_and_baton_status(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A gateway with targets publishes the last minute's attainment: ``/status.json``
+    carries it and ``baton status`` prints it under the table (no worker needed)."""
+    prefix = "slo-gateway"
+    settings = BatonSettings(
+        redis_url=redis_server.url, redis_prefix=prefix, slo_ttft=2.0, slo_tpot=0.25
+    )
+    gateway = GatewaySettings(refresh_s=0.05)
+    with TestClient(create_app(gateway, settings)) as client:
+        slo = client.get("/status.json").json()["slo"]
+        assert (slo["ttft_s"], slo["tpot_s"], slo["requests"]) == (2.0, 0.25, 0)
+        deadline = time.monotonic() + 5
+        while True:
+            assert cli_main(["status", "--redis-url", redis_server.url, "--prefix", prefix]) == 1
+            out = capsys.readouterr().out
+            if "SLO" in out or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert "SLO TTFT <= 2 s, TPOT <= 0.25 s: no request in the last 60 s" in out
