@@ -29,8 +29,10 @@ from pydantic import BaseModel
 from services.decode.settings import DecodeRoleSettings
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
+from shared.engine.elastic_threads import ProcStatSource
 from shared.engine.engine_loop import StreamInterrupted
 from shared.engine.kv_cache_manager import cdiv
+from shared.engine.step_pacer import PACE_MARGIN, StepPacer
 from shared.errors import InvalidRequestError
 from shared.kvstore.connector import KVStoreConnector
 from shared.serving.errors import ServiceError
@@ -80,6 +82,17 @@ class Decoder(Worker):
             connector.tasks.watermarks = Watermarks(self.redis, self.keys)
         connector.tasks.instance_id = self.instance_id
         return connector
+
+    def step_pacer(self) -> StepPacer | None:
+        """With a TPOT target (BATON_SLO_TPOT), steps are spaced toward it while another
+        process wants this instance's cores (shared/engine/step_pacer.py). Not on a mixed
+        instance, whose steps may carry prompts."""
+        tpot = self.baton.slo_tpot
+        if tpot is None or type(self) is not Decoder or not ProcStatSource.available():
+            return None
+        source = ProcStatSource(self.baton.engine_cpu_set())
+        log.info("decode: steps paced to %.0f%% of TPOT %.3f s", PACE_MARGIN * 100, tpot)
+        return StepPacer(tpot, lambda: source.running_others() > 0)
 
     def put_options(self) -> dict[str, Any]:
         """Connector options for prompts prefilled here (none: decode only reads them)."""

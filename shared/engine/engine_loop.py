@@ -33,6 +33,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.outputs import RequestOutput
 from shared.engine.snapshot import EngineSnapshot
+from shared.engine.step_pacer import StepPacer
 from shared.procs import name_thread
 
 T = TypeVar("T")
@@ -175,8 +176,10 @@ class EngineLoop:
         on_kv_events: Callable[[KVEvents], None] | None = None,
         cpus: frozenset[int] | None = None,
         threads: ThreadGovernor | None = None,
+        pacer: StepPacer | None = None,
     ):
         self.engine = engine
+        self.pacer = pacer  # decode with a TPOT target: steps spaced while others wait
         self.cpus = cpus  # pin the engine thread (and the torch threads it starts) to these
         self.on_step = on_step  # (seconds, tokens computed), on the engine thread
         self.on_kv_events = on_kv_events  # on the event loop
@@ -190,6 +193,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        self._not_before = 0.0  # perf_counter: a paced engine's next step
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -276,7 +280,15 @@ class EngineLoop:
             while True:
                 runnable = self.engine.has_unfinished() and not stalled
                 try:
-                    cmd = self._commands.get_nowait() if runnable else self._commands.get()
+                    if not runnable:
+                        cmd = self._commands.get()
+                    else:  # a paced step waits for its time, taking commands meanwhile
+                        wait = self._not_before - time.perf_counter()
+                        cmd = (
+                            self._commands.get(timeout=wait)
+                            if wait > 0
+                            else self._commands.get_nowait()
+                        )
                 except queue.Empty:
                     stalled = not self._step_once()
                     continue
@@ -317,6 +329,8 @@ class EngineLoop:
         self._publish()
         if outputs:
             self._require_loop().call_soon_threadsafe(self._deliver, outputs)
+        if self.pacer is not None and self.engine.last_step_tokens:
+            self._not_before = self.pacer.next_step_at(t0, end, self.snapshot.running)
         return self.engine.last_step_tokens != 0
 
     def _use_threads(self, n: int) -> None:

@@ -31,6 +31,7 @@ from shared.engine.elastic_threads import ProcStatSource, ThreadGovernor
 from shared.engine.engine import Engine
 from shared.engine.engine_loop import EngineLoop, keep_openmp_off_this_thread, on_passing_thread
 from shared.engine.kv_cache_manager import KVEvents
+from shared.engine.step_pacer import StepPacer
 from shared.hardware import auto_dtype
 from shared.kvstore.client import KVStoreClient
 from shared.kvstore.connector import KVStoreConnector
@@ -150,6 +151,7 @@ class Worker:
             on_kv_events=self._on_kv_events,
             cpus=self.baton.engine_cpu_set(),
             threads=self._thread_governor(),
+            pacer=self.step_pacer(),
         )
         self.metrics.bind(engine.loaded.name, self.instance_id)
         self.connector_metrics.bind(engine.loaded.name)
@@ -273,6 +275,10 @@ class Worker:
         await self.kv.close()
         await self.kv.transport.shutdown()
         await self.redis.aclose()
+
+    def step_pacer(self) -> StepPacer | None:
+        """Paces this role's steps to a latency target (None: back to back)."""
+        return None
 
     def _thread_governor(self) -> ThreadGovernor | None:
         low, high = self.baton.num_threads or 1, self.baton.max_threads

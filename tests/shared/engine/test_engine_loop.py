@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from shared.engine.engine_loop import (
     on_passing_thread,
 )
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.step_pacer import StepPacer
 from shared.model.loader import LoadedModel
 from tests.conftest import EngineFactory
 from tests.shared.engine.fake_cpu import FakeCpuSource
@@ -116,6 +119,40 @@ async def test_a_governor_sets_each_steps_threads(make_engine: EngineFactory) ->
     finally:
         await loop.stop()
         torch.set_num_threads(saved)
+
+
+async def test_a_paced_loop_spaces_its_steps_and_keeps_the_tokens(
+    make_engine: EngineFactory,
+) -> None:
+    """With a pacer (decode with a TPOT target and a busy neighbour), consecutive steps
+    start at least the paced interval apart, commands still run meanwhile, and the
+    tokens are those of an unpaced engine."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [1, 2, 3, 4, 5]
+    reference = make_engine().generate([prompt], params)[0].token_ids
+    pacer = StepPacer(0.25, contended=lambda: True, margin=0.8)  # 200 ms apart
+    loop = EngineLoop(make_engine(), pacer=pacer)
+    loop.start()
+    try:
+        q = loop.subscribe("r")
+        await loop.call(lambda e: e.add_request(prompt, params, request_id="r"))
+        tokens: list[int] = []
+        arrivals: list[float] = []
+        while True:
+            out = await asyncio.wait_for(next_output(q), 60)
+            arrivals.append(time.perf_counter())
+            tokens += out.new_token_ids
+            if out.finished:
+                break
+            t0 = time.perf_counter()
+            assert await loop.call(lambda e: e.has_unfinished())  # answered while it waits
+            assert time.perf_counter() - t0 < 0.15
+        assert tokens == reference
+        gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+        assert gaps and min(gaps) > 0.15, gaps
+        assert pacer.paced_steps >= len(gaps)
+    finally:
+        await loop.stop()
 
 
 def test_step_time_is_split_by_the_thread_count_it_ran_on() -> None:
