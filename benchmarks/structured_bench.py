@@ -63,7 +63,36 @@ def compile_times(model: str | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         compiler.matcher(constraint)  # what each request makes: a copy of the template
         cached[name] = time.perf_counter() - t0
-    return {"first_compile_with_tokenizer_s": tokenizer_s, "cold_s": cold, "cached_s": cached}
+    return {
+        "first_compile_with_tokenizer_s": tokenizer_s,
+        "cold_s": cold,
+        "cached_s": cached,
+        "replay_s": replay_times(compiler, tok),
+    }
+
+
+def replay_times(compiler: GrammarCompiler, tok: Any) -> dict[int, float]:
+    """What a decode instance or a failover resume pays to rebuild a request's grammar
+    state (llguidance has no serialized state: the matcher is made from the cached
+    template and the tokens so far replayed), by tokens so far: a JSON object's output
+    of about that many tokens, median of 5."""
+    constraint = Constraint.json_object()
+    compiler.compile(constraint)
+    out: dict[int, float] = {}
+    for n in (16, 64, 256, 1024):
+        items = ",".join(f'"k{i}":{i}' for i in range(n))
+        ids = tok.encode("{" + items + "}")
+        while len(ids) > n:  # drop whole items until it fits, keep it a valid prefix
+            items = items.rsplit(",", 1)[0]
+            ids = tok.encode("{" + items + "}")
+        ids = ids[:-1]  # the closing brace not yet written
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            compiler.matcher(constraint).replay(ids)
+            runs.append(time.perf_counter() - t0)
+        out[len(ids)] = statistics.median(runs)
+    return out
 
 
 def tpots(results: list[RequestResult]) -> list[float]:
@@ -247,7 +276,8 @@ def main() -> None:
         f"compile: first (with llguidance's tokenizer) "
         f"{compiled['first_compile_with_tokenizer_s'] * 1e3:.1f} ms; cold per schema "
         f"median {statistics.median(cold) * 1e3:.2f} ms, max {cold[-1] * 1e3:.2f} ms; cached "
-        f"median {statistics.median(compiled['cached_s'].values()) * 1e6:.0f} us",
+        f"median {statistics.median(compiled['cached_s'].values()) * 1e6:.0f} us; replay "
+        + ", ".join(f"{n} tokens {t * 1e3:.2f} ms" for n, t in compiled["replay_s"].items()),
         flush=True,
     )
     with ExitStack() as stack:

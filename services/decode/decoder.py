@@ -29,10 +29,9 @@ from pydantic import BaseModel
 from services.decode.settings import DecodeRoleSettings
 from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
-from shared.engine.elastic_threads import ProcStatSource
 from shared.engine.engine_loop import StreamInterrupted
 from shared.engine.kv_cache_manager import cdiv
-from shared.engine.step_pacer import PACE_MARGIN, StepPacer
+from shared.engine.step_pacer import PACE_MARGIN, OthersCpu, StepPacer
 from shared.errors import InvalidRequestError
 from shared.kvstore.connector import KVStoreConnector
 from shared.serving.errors import ServiceError
@@ -88,11 +87,10 @@ class Decoder(Worker):
         process wants this instance's cores (shared/engine/step_pacer.py). Not on a mixed
         instance, whose steps may carry prompts."""
         tpot = self.baton.slo_tpot
-        if tpot is None or type(self) is not Decoder or not ProcStatSource.available():
+        if tpot is None or type(self) is not Decoder or not OthersCpu.available():
             return None
-        source = ProcStatSource(self.baton.engine_cpu_set())
         log.info("decode: steps paced to %.0f%% of TPOT %.3f s", PACE_MARGIN * 100, tpot)
-        return StepPacer(tpot, lambda: source.running_others() > 0)
+        return StepPacer(tpot, OthersCpu().contended)
 
     def put_options(self) -> dict[str, Any]:
         """Connector options for prompts prefilled here (none: decode only reads them)."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from shared.engine.step_pacer import StepPacer
+from shared.engine.step_pacer import BUSY_CORES, OthersCpu, StepPacer
 
 
 def test_steps_are_spaced_to_the_margin_of_the_target_only_while_others_wait() -> None:
@@ -27,3 +31,24 @@ def test_a_target_must_be_positive_and_the_margin_a_share() -> None:
     for tpot, margin in ((0.0, 0.8), (0.1, 0.0), (0.1, 1.5)):
         with pytest.raises(ValueError):
             StepPacer(tpot, contended=lambda: True, margin=margin)
+
+
+def test_others_cpu_sees_a_busy_process_and_not_this_one() -> None:
+    """A child spinning for a while counts as a busy core; this process's own spinning
+    does not (it is the decode engine itself)."""
+    if not OthersCpu.available():
+        pytest.skip("no /proc here")
+    cpu = OthersCpu(window_s=0.2)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # our own work
+        pass
+    assert cpu.busy_cores() < BUSY_CORES
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.1)
+        cpu.busy_cores()  # a window starts with the child running
+        time.sleep(0.4)
+        assert cpu.busy_cores() >= 0.8 and cpu.contended()
+    finally:
+        child.kill()
+        child.wait()
