@@ -31,7 +31,10 @@ SEEDS = [None, 7, None, 11]
 
 ITEM = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,12}$"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
     "required": ["name", "n"],
     "additionalProperties": False,
 }
