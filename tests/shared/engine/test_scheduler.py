@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared.engine.admission import ALONE_CHUNK_FACTOR
 from shared.engine.request import FinishReason, Request, RequestId, RequestStatus, SampledToken
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
@@ -177,6 +178,22 @@ def test_long_prompt_chunks_leave_room_for_prompts_queued_behind_it() -> None:
     out = run_step(s)
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 8)]
     assert long.output_token_ids == [100]
+    while s.has_unfinished():
+        run_step(s)
+    assert_idle(s)
+
+
+def test_a_prompt_alone_takes_larger_chunks_until_another_arrives() -> None:
+    """Alone in the engine, a prompt's chunk is ALONE_CHUNK_FACTOR x the cap (nothing
+    waits behind it); once another request is here, the cap holds again."""
+    s = make(budget=256, chunk_cap=16)
+    long = req(150, max_tokens=2)
+    s.add(long)
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [16 * ALONE_CHUNK_FACTOR]
+    short = req(5, max_tokens=2, first=60)
+    s.add(short)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 16), (short, 5)]
     while s.has_unfinished():
         run_step(s)
     assert_idle(s)
