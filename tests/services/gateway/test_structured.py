@@ -217,6 +217,10 @@ def test_auto_tools_give_content_or_calls(client: OpenAI) -> None:
             },
             "strang",
         ),
+        (  # a keyword the grammar engine does not implement
+            {"structured_outputs": {"json": {"type": "object", "dependentSchemas": {}}}},
+            "dependentSchemas",
+        ),
         ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
         ({"structured_outputs": {"grammar": "start: nothing_here"}}, "nothing_here"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
