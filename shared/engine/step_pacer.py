@@ -31,8 +31,8 @@ from collections.abc import Callable
 PACE_MARGIN = 0.8
 # other processes count as wanting the cores when they kept this many busy lately: a
 # prompt being computed keeps one or more; the gateway and clients relaying this
-# instance's own tokens keep a fraction of one (a check of who is running at the end
-# of a step sees exactly those, and would pace for nobody)
+# instance's own tokens keep a fraction of one (a check of who is running as a step
+# ends sees exactly those: it paced at every load, for nobody)
 BUSY_CORES = 0.6
 # CPU time is read at most this often (clock ticks are 10 ms: shorter windows are noise)
 CPU_WINDOW_S = 0.1
