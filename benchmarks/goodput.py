@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -30,12 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.peers import Running, Server, baton_server, measure, vllm_server
+from benchmarks.peers import Running, Server, baton_servers, measure, vllm_on_batons_model
 from benchmarks.peers import Scenario as Warmup
 from shared.bench import workload as wl
 from shared.bench.metrics import RequestResult
 from shared.bench.runner import Target, run_open_loop
-from shared.config import default_cache_dir
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -180,15 +178,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    out = [] if args.no_baton else [baton_server(args.baton_python)]
-    for spec in args.baton_variant:
-        label, _, extra = spec.partition("=")
-        out.append(baton_server(args.baton_python, label, shlex.split(extra)))
+    out = baton_servers(args.baton_python, args.baton_variant, plain=not args.no_baton)
     if args.vllm_python:
-        from shared.model.registry import resolve
-
-        folder = resolve(None, default_cache_dir(), progress=False).folder
-        out.append(vllm_server(args.vllm_python, folder, args.vllm_threads))
+        out.append(vllm_on_batons_model(args.vllm_python, args.vllm_threads))
     return out
 
 

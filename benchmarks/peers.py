@@ -263,18 +263,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def servers(args: argparse.Namespace) -> list[Server]:
-    out = [baton_server(args.baton_python)]
-    for spec in args.baton_variant:
+def baton_servers(python: str, variants: Sequence[str], plain: bool = True) -> list[Server]:
+    """``baton up`` with its defaults (unless not ``plain``), then once per
+    ``LABEL=ARGS`` variant."""
+    out = [baton_server(python)] if plain else []
+    for spec in variants:
         label, _, extra = spec.partition("=")
-        out.append(baton_server(args.baton_python, label, shlex.split(extra)))
-    if args.vllm_python:
-        folder = args.vllm_model
-        if folder is None:
-            from shared.model.registry import resolve
+        out.append(baton_server(python, label, shlex.split(extra)))
+    return out
 
-            folder = resolve(None, default_cache_dir(), progress=False).folder
-        out.append(vllm_server(args.vllm_python, folder, args.vllm_threads))
+
+def vllm_on_batons_model(python: str, threads: int, folder: Path | None = None) -> Server:
+    """vLLM serving ``folder``, by default the checkpoint Baton converted."""
+    if folder is None:
+        from shared.model.registry import resolve
+
+        folder = resolve(None, default_cache_dir(), progress=False).folder
+    return vllm_server(python, folder, threads)
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    out = baton_servers(args.baton_python, args.baton_variant)
+    if args.vllm_python:
+        out.append(vllm_on_batons_model(args.vllm_python, args.vllm_threads, args.vllm_model))
     if args.llama_server:
         for spec in args.gguf:
             quant, _, path = spec.partition("=")
