@@ -84,10 +84,9 @@ class Decoder(Worker):
 
     def step_pacer(self) -> StepPacer | None:
         """With a TPOT target (BATON_SLO_TPOT), steps are spaced toward it while another
-        process wants this instance's cores (shared/engine/step_pacer.py). Not on a mixed
-        instance, whose steps may carry prompts."""
+        process wants this instance's cores (shared/engine/step_pacer.py)."""
         tpot = self.baton.slo_tpot
-        if tpot is None or type(self) is not Decoder or not OthersCpu.available():
+        if tpot is None or not OthersCpu.available():
             return None
         log.info("decode: steps paced to %.0f%% of TPOT %.3f s", PACE_MARGIN * 100, tpot)
         return StepPacer(tpot, OthersCpu().contended)

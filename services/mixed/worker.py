@@ -28,6 +28,7 @@ from services.decode.decoder import Decoder
 from services.mixed.settings import MixedSettings
 from services.prefill.prefiller import Prefiller
 from shared.config import BatonSettings
+from shared.engine.step_pacer import StepPacer
 from shared.serving.protocol import DecodeRequest, PrefillRequest
 
 PREFILL_TAG = "#prefill"
@@ -50,6 +51,10 @@ class Mixed(Prefiller, Decoder):
         super().__init__(settings, baton)
 
     make_connector = Decoder.make_connector  # replicating, and writing prompts (below)
+
+    def step_pacer(self) -> StepPacer | None:
+        """Never paced: a mixed instance's steps may carry prompts."""
+        return None
 
     def put_options(self) -> dict[str, Any]:
         return {"pull_policy": self.settings.pull_policy, "put_ttl_s": self.settings.put_ttl_s}
