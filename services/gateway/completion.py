@@ -10,20 +10,18 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.gateway import Gateway
 from services.gateway.handoff import Generated
 from services.gateway.responses import SSE_DONE, Choices, Kind, Step, sse
 from services.gateway.timeline import Timeline
 from shared.logs import request_id_var
 from shared.serving.errors import classify, error_body, error_response
 from shared.serving.protocol import BATON_REQUEST_ID_HEADER, REQUEST_ID_HEADER
-
-if TYPE_CHECKING:
-    from services.gateway.app import Gateway
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from services.gateway.app import tenant_salt
+from services.gateway.gateway import tenant_salt
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench.scrape import metric_sum
 from shared.cluster.keys import Keys
