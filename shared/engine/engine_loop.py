@@ -128,6 +128,7 @@ class LoopStats:
     threads: int = 0  # of the last step
     thread_changes: int = 0
     recent_step_s: float = 0.0  # mean of the recent steps' durations, weighted to the last
+    recent_tokens_s: float = 0.0  # tokens computed per second of step, weighted the same
     last_step_end: float = 0.0  # time.perf_counter()
     # step seconds by the thread count they ran on (a step may shrink between layers)
     thread_seconds: dict[int, float] = field(default_factory=dict)
@@ -151,12 +152,15 @@ class LoopStats:
             self.thread_seconds[self.threads] = self.thread_seconds.get(self.threads, 0.0) + spent
             self._counting_since = now
 
-    def observe_step(self, seconds: float, end: float) -> None:
+    def observe_step(self, seconds: float, end: float, tokens: int = 0) -> None:
         self.steps += 1
         self.busy_s += seconds
         self.last_step_s = seconds
         w = STEP_EWMA_WEIGHT if self.recent_step_s else 1.0
         self.recent_step_s += w * (seconds - self.recent_step_s)
+        if tokens and seconds > 0:  # kept while idle: how fast this engine computes prompts
+            w = STEP_EWMA_WEIGHT if self.recent_tokens_s else 1.0
+            self.recent_tokens_s += w * (tokens / seconds - self.recent_tokens_s)
         self.last_step_end = end
 
     def step_time(self, now: float) -> float:
@@ -323,13 +327,18 @@ class EngineLoop:
         dt = end - t0
         self.stats.step_ended(end)
         if self.engine.last_step_tokens:
-            self.stats.observe_step(dt, end)
+            self.stats.observe_step(dt, end, self.engine.last_step_tokens)
             if self.on_step is not None:
                 self.on_step(dt, self.engine.last_step_tokens)
         self._publish()
         if outputs:
             self._require_loop().call_soon_threadsafe(self._deliver, outputs)
-        if self.pacer is not None and self.engine.last_step_tokens:
+        # never paced while a prompt is computed here (a recompute, a lent prompt)
+        if (
+            self.pacer is not None
+            and self.engine.last_step_tokens
+            and not self.snapshot.prompt_pending
+        ):
             self._not_before = self.pacer.next_step_at(t0, end, self.snapshot.running)
         return self.engine.last_step_tokens != 0
 

@@ -54,6 +54,12 @@ class EngineSnapshot:
         )
 
     @property
+    def prompt_pending(self) -> bool:
+        """Whether a prompt (or a recompute) is being computed here: a request with more
+        than the one token a running stream feeds per step still to compute."""
+        return any(n > 1 for n in self.pending_by_request.values())
+
+    @property
     def usage(self) -> float:
         """Share of the KV pool's slots that requests hold."""
         return 1.0 - self.free_slots / self.num_slots

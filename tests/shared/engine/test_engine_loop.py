@@ -41,6 +41,19 @@ def test_the_recent_step_time_follows_the_last_steps_and_is_zero_when_idle() -> 
     assert stats.steps == 22 and stats.busy_s == pytest.approx(2.06)
 
 
+def test_the_recent_prompt_rate_follows_the_steps_that_computed_tokens_and_stays_when_idle() -> (
+    None
+):
+    stats = LoopStats()
+    stats.observe_step(0.5, end=1.0, tokens=1000)
+    assert stats.recent_tokens_s == pytest.approx(2000)
+    for i in range(30):
+        stats.observe_step(0.1, end=2.0 + i, tokens=100)
+    assert stats.recent_tokens_s == pytest.approx(1000, rel=0.01)
+    stats.observe_step(0.1, end=40.0)  # no token count: the rate is not moved
+    assert stats.recent_tokens_s == pytest.approx(1000, rel=0.01)
+
+
 async def test_outputs_arrive_in_order_and_match_a_plain_engine(
     make_engine: EngineFactory,
 ) -> None:
@@ -151,6 +164,39 @@ async def test_a_paced_loop_spaces_its_steps_and_keeps_the_tokens(
         gaps = [b - a for a, b in itertools.pairwise(arrivals)]
         assert gaps and min(gaps) > 0.15, gaps
         assert pacer.paced_steps >= len(gaps)
+    finally:
+        await loop.stop()
+
+
+async def test_a_paced_loop_computes_a_prompt_queued_beside_its_streams_unpaced(
+    make_engine: EngineFactory,
+) -> None:
+    """A prompt computed here (a mixed instance's lent prompt, a recompute) is never
+    delayed by pacing: its chunks run back to back while a stream decodes beside it,
+    and both get the tokens of an unpaced engine."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    stream_prompt, long_prompt = [1, 2, 3, 4, 5], list(range(10, 250))
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    reference = make_engine(max_num_batched_tokens=32).generate([long_prompt], short)[0]
+    pacer = StepPacer(0.25, contended=lambda: True, margin=0.8)  # 200 ms apart
+    loop = EngineLoop(make_engine(max_num_batched_tokens=32), pacer=pacer)
+    loop.start()
+    try:
+        qa, qb = loop.subscribe("a"), loop.subscribe("b")
+        await loop.call(lambda e: e.add_request(stream_prompt, params, request_id="a"))
+        await asyncio.wait_for(next_output(qa), 60)  # the stream runs (and is paced)
+        t0 = time.perf_counter()
+        await loop.call(lambda e: e.add_request(long_prompt, short, request_id="b"))
+        first = await asyncio.wait_for(next_output(qb), 60)
+        took = time.perf_counter() - t0
+        # 240 tokens in chunks of at most 32 (less the stream's token): >= 8 steps,
+        # which paced would take >= 1.4 s
+        assert took < 7 * pacer.interval_s, took
+        tokens = list(first.new_token_ids)
+        while not first.finished:
+            first = await asyncio.wait_for(next_output(qb), 60)
+            tokens += first.new_token_ids
+        assert tokens == reference.token_ids
     finally:
         await loop.stop()
 
