@@ -16,6 +16,15 @@ other one too. The gateway sends it the other role's work only while
 
 or while that role has no instance of its own left (then every mixed one serves it).
 
+With latency targets (``baton up --slo-ttft/--slo-tpot``, :meth:`LendPolicy.for_slo`)
+the bounds come from them: prefill is over its bound when the prompts queued at an
+instance would take longer than :data:`TTFT_RISK_SHARE` of the TTFT target at the rate
+it computes prompts lately (``tokens_s`` in its load; the token bound until it has
+one), so a prompt is lent when its first token is at risk, not after a fixed count;
+and a decode instance is lent only while its steps stay under the share of the TPOT
+target that decode paces to (:data:`shared.engine.step_pacer.PACE_MARGIN`), so its
+streams keep their target.
+
 It gives the instance back as soon as either stops being true: the next request of
 the other role goes elsewhere, and work already there finishes there. Pure logic on
 the published loads plus this gateway's own picks (``score``), so it is tested
@@ -25,11 +34,18 @@ without a cluster.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.cluster.membership import Member
+from shared.config import SloConfig
+from shared.engine.step_pacer import PACE_MARGIN
 
 Score = Callable[[Member, str], float]  # (member, role) -> its queue in that role's units
+
+# with a TTFT target, a prompt is at risk once the queue ahead of it at every prefill
+# instance would take this share of the target: lending costs its streams a bounded
+# TPOT (the step bound), while a queue that grows in a burst costs every later prompt
+TTFT_RISK_SHARE = 0.1
 
 
 def other_role(role: str) -> str:
@@ -41,6 +57,22 @@ class LendPolicy:
     prefill_tokens: float = 512.0
     decode_running: float = 32.0
     decode_step_s: float = 0.075  # 0: a decode instance's step time does not count
+    ttft_s: float | None = None  # a TTFT target: prefill's bound is a wait, not tokens
+
+    def for_slo(self, slo: SloConfig, *, step_bound_given: bool = False) -> LendPolicy:
+        """These bounds under the cluster's latency targets: a TTFT target makes
+        prefill's bound the estimated wait; a TPOT target sets the decode step bound
+        (unless ``step_bound_given``: set explicitly)."""
+        step_s = self.decode_step_s
+        if slo.tpot_s is not None and not step_bound_given:
+            step_s = PACE_MARGIN * slo.tpot_s
+        return replace(self, decode_step_s=step_s, ttft_s=slo.ttft_s)
+
+    def prefill_wait_s(self, member: Member, score: Score) -> float | None:
+        """How long the prompts queued at a prefill instance would take at its recent
+        rate (None: it has not computed any yet)."""
+        rate = member.load.get("tokens_s", 0.0)
+        return score(member, "prefill") / rate if rate > 0 else None
 
     def over_bound(self, role: str, own: Sequence[Member], score: Score) -> bool:
         """Whether ``role``'s own instances are all past its bound (or there are none)."""
@@ -74,6 +106,9 @@ class LendPolicy:
 
     def _busy(self, role: str, member: Member, score: Score) -> bool:
         if role == "prefill":
+            wait = self.prefill_wait_s(member, score) if self.ttft_s is not None else None
+            if self.ttft_s is not None and wait is not None:
+                return wait > TTFT_RISK_SHARE * self.ttft_s
             return score(member, "prefill") > self.prefill_tokens
         return (
             member.load.get("waiting_kv", 0.0) > 0.0

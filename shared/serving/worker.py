@@ -219,6 +219,7 @@ class Worker:
             "free_blocks": float(snap.free_slots),
             "draining": float(self.draining),  # routers send it nothing new
             "step_s": self.loop.stats.step_time(time.perf_counter()),
+            "tokens_s": self.loop.stats.recent_tokens_s,  # prompt throughput, for SLO lending
             **self.load(),
         }
         hit_rate = self.connector_metrics.hit_rate()

@@ -4,10 +4,14 @@ offers it (and gives it back) accordingly."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.gateway.lending import LendPolicy, serving
 from services.gateway.router import Router
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Member
+from shared.config import SloConfig
+from shared.engine.step_pacer import PACE_MARGIN
 
 POLICY = LendPolicy(prefill_tokens=1000.0, decode_running=4.0)
 
@@ -123,3 +127,37 @@ def test_decode_is_lent_only_instances_that_can_read_its_kv() -> None:
     other = member("prefill", "q").model_copy(update={"kv_namespace": "other"})
     r = router([member("prefill", "p"), other], [member("decode", "d", running=4)])
     assert [m.instance_id for m in r.candidates("decode")] == ["d", "p"]
+
+
+def test_with_a_ttft_target_prefill_is_over_its_bound_when_the_wait_puts_it_at_risk() -> None:
+    """The queue ahead is judged in seconds at the instance's recent prompt rate: 3,000
+    tokens are a risk at 1,000 tokens/s under a 3 s target (3 s > 0.3 s) and not at
+    20,000 tokens/s (0.15 s); before the instance has a rate, the token bound holds."""
+    slo = POLICY.for_slo(SloConfig(ttft_s=3.0))
+    assert slo.ttft_s == 3.0 and slo.decode_step_s == POLICY.decode_step_s
+    idle = member("decode", "d", running=1)
+    slow = member("prefill", "p", pending_tokens=3000, tokens_s=1000)
+    fast = member("prefill", "p", pending_tokens=3000, tokens_s=20000)
+    assert slo.prefill_wait_s(slow, published) == pytest.approx(3.0)
+    assert slo.lendable("prefill", [slow], [idle], published) == [idle]
+    assert slo.lendable("prefill", [fast], [idle], published) == []
+    cold = member("prefill", "p", pending_tokens=1500)  # no rate yet: over 1,000 tokens
+    assert slo.prefill_wait_s(cold, published) is None
+    assert slo.lendable("prefill", [cold], [idle], published) == [idle]
+    # one prefill instance with a short wait is enough to keep every prompt at home
+    assert slo.lendable("prefill", [slow, fast], [idle], published) == []
+
+
+def test_with_a_tpot_target_a_decode_instance_is_lent_while_its_steps_keep_the_paced_share() -> (
+    None
+):
+    slo = POLICY.for_slo(SloConfig(tpot_s=0.05))
+    assert slo.decode_step_s == pytest.approx(PACE_MARGIN * 0.05)
+    p = member("prefill", "p", pending_tokens=1500)
+    quick = member("decode", "d1", running=1, step_s=0.03)
+    near = member("decode", "d2", running=1, step_s=0.045)  # under 75 ms, over 40
+    assert slo.lendable("prefill", [p], [quick, near], published) == [quick]
+    # a bound set explicitly (BATON_GATEWAY_LEND_DECODE_STEP_S) stays
+    given = POLICY.for_slo(SloConfig(tpot_s=0.05), step_bound_given=True)
+    assert given.decode_step_s == POLICY.decode_step_s
+    assert POLICY.for_slo(SloConfig()) == POLICY  # no targets: today's bounds
