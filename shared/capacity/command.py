@@ -166,7 +166,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     threads = args.threads or profile.threads
     deployments = planner.candidates(
-        args.cores, threads, args.max_seqs, oversubscribe=args.oversubscribe
+        args.cores, threads, args.max_seqs, oversubscribe=args.oversubscribe, slo_tpot=args.slo_tpot
     )
     if not deployments:
         raise InvalidRequestError(f"no deployment fits {args.cores} core(s) with {threads}")
@@ -187,4 +187,5 @@ def run_plan(args: argparse.Namespace) -> int:
         print(planner.table(shown, args.slo_ttft, args.slo_tpot), end="")
         best = ranked[0]
         print(f"recommended: {best.deployment.describe()}: {best.goodput:.3f} req/s predicted")
+        print(f"run it: {planner.up_command(best.deployment, args.slo_ttft, args.slo_tpot)}")
     return 0

@@ -27,6 +27,7 @@ from shared.bench.workload import TraceFormatError, load_trace
 from shared.capacity.profile import Profile
 from shared.capacity.sim_types import Deployment, SimRequest, SimResult
 from shared.capacity.simulator import simulate
+from shared.engine.step_pacer import PACE_MARGIN
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,10 @@ def candidates(
     *,
     max_batched_tokens: int = 2048,
     oversubscribe: float = 1.0,
+    slo_tpot: float | None = None,
 ) -> list[Deployment]:
+    """``slo_tpot``: decode paced as ``baton up --slo-tpot`` paces it."""
+    pace_s = PACE_MARGIN * slo_tpot if slo_tpot else 0.0
     out = []
     limit = cores * oversubscribe
     for t in threads_options:
@@ -102,7 +106,7 @@ def candidates(
                 if (p + d) * t > limit:
                     continue
                 for seqs in max_seqs_options:
-                    out.append(Deployment(p, d, t, max_batched_tokens, seqs))
+                    out.append(Deployment(p, d, t, max_batched_tokens, seqs, pace_s))
     return out
 
 
@@ -149,3 +153,21 @@ def table(ranked: Sequence[Candidate], slo_ttft: float, slo_tpot: float) -> str:
             f" | {c.tpot_p50 * 1000:.1f} ms | {'yes' if c.oversubscribed else 'no'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def up_command(dep: Deployment, slo_ttft: float, slo_tpot: float) -> str:
+    """The ``baton up`` that runs ``dep`` as simulated: fixed threads per instance, the
+    batch limits (environment, where not the defaults) and the same SLOs, which make
+    decode pace its steps as the simulation did."""
+    env = []
+    if dep.max_seqs != Deployment.max_seqs:
+        env.append(f"BATON_MAX_NUM_SEQS={dep.max_seqs}")
+    if dep.max_batched_tokens != Deployment.max_batched_tokens:
+        env.append(f"BATON_MAX_NUM_BATCHED_TOKENS={dep.max_batched_tokens}")
+    args = [
+        "baton up",
+        f"--prefill {dep.prefill} --decode {dep.decode}",
+        f"--threads {dep.threads} --max-threads {dep.threads}",
+        f"--slo-ttft {slo_ttft:g} --slo-tpot {slo_tpot:g}",
+    ]
+    return " ".join([*env, *args])

@@ -22,6 +22,9 @@ class Deployment:
     threads: int = 1  # per instance
     max_batched_tokens: int = 2048
     max_seqs: int = 64
+    # decode steps start no closer than this while a prefill instance computes (a TPOT
+    # target: ``baton up --slo-tpot`` paces decode, shared/engine/step_pacer.py); 0: never
+    pace_s: float = 0.0
 
     @property
     def threads_total(self) -> int:
@@ -31,6 +34,7 @@ class Deployment:
         return (
             f"{self.prefill}P:{self.decode}D, {self.threads} thread(s) each, "
             f"batch <= {self.max_seqs} seqs / {self.max_batched_tokens} tokens"
+            + (f", decode paced to {self.pace_s * 1000:.0f} ms" if self.pace_s else "")
         )
 
 

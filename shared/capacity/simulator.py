@@ -23,7 +23,10 @@ What is modelled, per instance:
   its own picks) run continuous
   batches of at most ``max_seqs`` requests; a step lasts the profile's decode
   time for its batch size and summed context, and gives every request in it
-  one token.
+  one token. With a TPOT target (``pace_s``), a step starts no sooner than
+  ``pace_s`` after the last one began while a prefill instance computes, as
+  the paced engine does: the decode thread waits off the cores meanwhile and
+  requests arriving then join the next step.
 - **Serving overhead**: what the profile measured serving adds beyond the
   engine (:mod:`shared.capacity.overhead`): per prompt, a wait between its
   last prefill step and its first token (the hops through the gateway and the
@@ -90,6 +93,7 @@ class _Instance:
     work_s: float = 0.0
     busy_s: float = 0.0
     step_began: float = 0.0
+    paced_until: float = 0.0  # decode: no step before this (pacing)
 
     def begin_step(self, now: float, work_s: float) -> None:
         self.busy = True
@@ -311,7 +315,7 @@ def simulate(
         clock.at(clock.now + load_s, join)
 
     def start_decode(dec: _Instance) -> None:
-        if dec.busy:
+        if dec.busy or clock.now < dec.paced_until:
             return
         while dec.queue and len(dec.running) < deployment.max_seqs:
             dec.running.append(dec.queue.popleft())
@@ -334,6 +338,11 @@ def simulate(
             else:
                 still.append(req)
         dec.running = still
+        due = dec.step_began + deployment.pace_s
+        if still and clock.now < due and any(p.busy for p in prefills):
+            dec.paced_until = due
+            clock.at(due, lambda: start_decode(dec))
+            return
         start_decode(dec)
 
     def finish(req: _Req) -> None:

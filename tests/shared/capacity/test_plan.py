@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.bench.workload import TraceFormatError
-from shared.capacity.plan import candidates, evaluate, load_workload, table
+from shared.capacity.plan import candidates, evaluate, load_workload, table, up_command
 from shared.capacity.sim_types import SimRequest
 from tests.shared.capacity.fake_profile import linear_profile
 
@@ -19,6 +19,18 @@ def test_candidates_fit_the_cores_unless_oversubscribed() -> None:
     splits = {(d.prefill, d.decode) for d in shared}
     assert splits == {(1, 1), (1, 2), (2, 1)}
     assert {d.max_seqs for d in shared} == {16, 64}
+    assert {d.pace_s for d in shared} == {0.0}
+
+
+def test_with_a_tpot_target_candidates_pace_decode_and_the_plan_says_how_to_run_it() -> None:
+    """The planner simulates what ``baton up --slo-*`` runs (decode paced to 80% of the
+    TPOT target) and prints that command, fixed threads as simulated."""
+    (dep,) = candidates(2, [1], [16], slo_tpot=0.1)
+    assert dep.pace_s == pytest.approx(0.08)
+    assert up_command(dep, 3.0, 0.1) == (
+        "BATON_MAX_NUM_SEQS=16 baton up --prefill 1 --decode 1 --threads 1 --max-threads 1"
+        " --slo-ttft 3 --slo-tpot 0.1"
+    )
 
 
 def test_a_decode_heavy_load_ranks_more_decode_first() -> None:

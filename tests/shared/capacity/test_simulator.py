@@ -163,3 +163,22 @@ def test_prompts_that_end_in_one_step_are_spread_over_the_decode_instances() -> 
     assert pre.steps == 2  # the four in one step
     # two streams each, side by side (one may join a step after the other)
     assert 20 <= first.steps <= 21 and 20 <= second.steps <= 21
+
+
+def test_paced_decode_gives_its_core_to_prefill_while_a_prompt_is_computed() -> None:
+    """2P:1D on 2 cores (3 threads): a stream decoding at 10 ms a step beside two
+    prompts slows them to 2/3 speed. Paced to 40 ms while a prefill instance computes,
+    it runs a quarter of the time, the prompts finish sooner and its steps come every
+    40 ms; once prefill is idle, it runs back to back again."""
+    p = linear_profile(prefill_s_per_token=0.001, decode_base_s=0.01, decode_per_seq_s=0.0)
+    reqs = [SimRequest(0.0, 16, 200), SimRequest(0.1, 1000, 2), SimRequest(0.1, 1000, 2)]
+    plain = Deployment(prefill=2, decode=1)
+    paced = replace(plain, pace_s=0.04)
+    before = simulate(reqs, plain, p, cores=2).outcomes
+    after = simulate(reqs, paced, p, cores=2).outcomes
+    assert after[1].ttft_s < before[1].ttft_s * 0.9  # the prompts get more of the cores
+    assert after[0].tpot_s > before[0].tpot_s  # the stream gives it
+    assert after[0].tpot_s < 0.04  # paced only while the prompts are computed
+    alone = simulate(reqs[:1], paced, p, cores=2).outcomes[0]
+    assert alone.tpot_s == pytest.approx(0.01, rel=1e-3)  # nobody to give it to
+    assert "decode paced to 40 ms" in paced.describe()
