@@ -36,3 +36,19 @@ class Keys:
     def slo(self) -> str:
         """The gateway's latest SLO attainment (see shared.cluster.slo)."""
         return f"{self.prefix}:slo"
+
+    def response(self, response_id: str) -> str:
+        """A resumable response's record (a hash; see shared.cluster.event_log)."""
+        return f"{self.prefix}:resp:{response_id}"
+
+    def response_events(self, response_id: str) -> str:
+        """Its events, in order (a stream; entry id ``<sequence number + 1>-0``)."""
+        return f"{self.prefix}:resp:{response_id}:events"
+
+    def response_tokens(self, response_id: str) -> str:
+        """The token ids its logged events carry (a list; a new owner replays them)."""
+        return f"{self.prefix}:resp:{response_id}:tokens"
+
+    def response_lease(self, response_id: str) -> str:
+        """Who may append to it: ``<owner>:<epoch>``, with a TTL its owner renews."""
+        return f"{self.prefix}:resp:{response_id}:lease"
