@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.gateway.gateway import Gateway
 from services.gateway.handoff import Generated
 from services.gateway.responses import SSE_DONE, Choices, Kind, Step, sse
+from services.gateway.resumable import Emitted, Owned
 from services.gateway.timeline import Timeline
 from shared.logs import request_id_var
 from shared.serving.errors import classify, error_body, error_response
@@ -49,10 +50,15 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
     client_id = request.headers.get(REQUEST_ID_HEADER)
-    headers = {REQUEST_ID_HEADER: client_id or request_id, BATON_REQUEST_ID_HEADER: request_id}
+    headers = {
+        REQUEST_ID_HEADER: client_id or request_id,
+        BATON_REQUEST_ID_HEADER: request_id,
+        GATEWAY_HEADER: gw.instance_id,  # which replica serves it (behind a balancer)
+    }
     try:
         api_key = gw.check_auth(request)
-        prepared, spec = gw.prepare(kind, await gw.read_body(request), request_id, api_key)
+        raw = await gw.read_body(request)
+        prepared, spec = gw.prepare(kind, raw, request_id, api_key)
         await gw.check_constraint(spec)
         await gw.admit(prepared)
     except Exception as exc:
@@ -108,9 +114,74 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
         gw.metrics.observe_cache(cache.predicted, cache.actual)
         timeline.cache = cache
     run = Run(gw, choices, firsts, streams, timeline)
+    if prepared.stream and prepared.resumable:
+        recipe = {
+            "kind": kind,
+            "body": raw.decode(),
+            "request_id": request_id,
+            "seed": spec.seed,
+            "cache_salt": prepared.cache_salt,
+            "created": prepared.created,
+        }
+        owned = await gw.resumables.start(
+            prepared.response_id, gw.tenant(api_key), recipe, RunSource(run)
+        )
+        return StreamingResponse(
+            numbered(owned) if owned is not None else unlogged(run),
+            media_type="text/event-stream",
+            headers=headers,
+        )
     if prepared.stream:
         return StreamingResponse(run.stream(), media_type="text/event-stream", headers=headers)
     return await run.whole(headers)
+
+
+GATEWAY_HEADER = "X-Baton-Gateway"
+RESUMABLE_OFF = 'event: baton.resumable\ndata: {"resumable": false}\n\n'
+
+
+async def numbered(owned: Owned) -> AsyncIterator[str]:
+    """A resumable stream for the client that started it: each event with its number
+    (SSE ``id``), which a reattach names (``Last-Event-ID`` or ``starting_after``).
+    The client going away does not stop the response."""
+    async for item in owned.delivered():
+        if item.seq is None:
+            yield RESUMABLE_OFF  # the log failed: what follows cannot be reattached
+            yield item.data
+            async for rest in owned.delivered():
+                yield rest.data
+            return
+        yield f"id: {item.seq}\n{item.data}"
+
+
+async def unlogged(run: Run) -> AsyncIterator[str]:
+    """A resumable stream whose log could not be opened (Redis down): an ordinary one,
+    after an event that says so."""
+    yield RESUMABLE_OFF
+    async for chunk in run.stream():
+        yield chunk
+
+
+class RunSource:
+    """A request's run as the source of a resumable response's events."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self._events: AsyncGenerator[Emitted, None] | None = None
+
+    def events(self) -> AsyncIterator[Emitted]:
+        self._events = self.run.events()
+        return self._events
+
+    def cancelled(self) -> Emitted:
+        body = sse(error_body(499, "the response was cancelled", "cancelled"))
+        return Emitted(body + SSE_DONE, status="cancelled")
+
+    async def aclose(self) -> None:
+        if self._events is not None:
+            await self._events.aclose()
+        else:
+            await self.run.close()
 
 
 class Run:
@@ -129,6 +200,7 @@ class Run:
         self.firsts = firsts
         self.streams = streams
         self.timeline = timeline
+        self._finished = False
 
     async def _steps(self, index: int) -> AsyncIterator[Step]:
         builder = self.choices.builders[index]
@@ -146,32 +218,52 @@ class Run:
         return merge([self._steps(i) for i in range(len(self.streams))])
 
     async def _finish(self, outcome: str) -> None:
+        if self._finished:
+            return
+        self._finished = True
         await _close_all(self.streams)
         self.gw.in_flight -= len(self.streams)
         self.timeline.end(outcome)
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def close(self) -> None:
+        """Ends a run whose events were never read."""
+        await self._finish("client_gone")
+
+    async def events(self) -> AsyncGenerator[Emitted, None]:
+        """The stream's events, each with the token ids it is the first to show (a
+        chunk held back, e.g. a possible stop string, passes its tokens on)."""
         outcome = "client_gone"
         builders = self.choices.builders
+        pending: list[int] = []
         try:
             try:
                 async for index, step in self._all_steps():
+                    pending.append(step.token)
                     chunk = builders[index].chunk(step)
                     if chunk:
-                        yield chunk
+                        yield Emitted(chunk, tuple(pending), step.finish_reason)
+                        pending = []
                     if step.finish_reason is not None:
-                        yield builders[index].final_chunk()
+                        finish = step.finish_reason if pending else None
+                        yield Emitted(builders[index].final_chunk(), tuple(pending), finish)
+                        pending = []
                 if self.choices.p.include_usage:
-                    yield self.choices.usage_chunk()
+                    yield Emitted(self.choices.usage_chunk())
                 outcome = "ok"
+                last = Emitted(SSE_DONE, status="completed")
             except (Exception, StopAsyncIteration) as exc:
                 err = classify(exc if isinstance(exc, Exception) else RuntimeError("stream ended"))
                 log.warning("stream failed: %s", err)
                 outcome = "error"
-                yield sse(error_body(err.status, str(err), err.code))
-            yield SSE_DONE
+                body = sse(error_body(err.status, str(err), err.code))
+                last = Emitted(body + SSE_DONE, status="failed")
+            yield last
         finally:
             await self._finish(outcome)
+
+    async def stream(self) -> AsyncIterator[str]:
+        async for event in self.events():
+            yield event.data
 
     async def whole(self, headers: dict[str, str]) -> Response:
         outcome = "error"

@@ -90,6 +90,17 @@ class DecodeSession:
         """The tokens after ``first`` (already with the client; ``sent``: its delivery
         to the first instance, which may fail like the instance itself)."""
         self.generated = [first.id]
+        async for token in self._tokens(sent):
+            yield token
+
+    async def continued(self, generated: list[int]) -> AsyncGenerator[Token, None]:
+        """The tokens after ``generated``, for a session opened on a request another
+        gateway started (its first instance was sent ``generated`` to go on from)."""
+        self.generated = list(generated)
+        async for token in self._tokens(None):
+            yield token
+
+    async def _tokens(self, sent: asyncio.Task[None] | None) -> AsyncGenerator[Token, None]:
         lost_at: float | None = None
         while True:
             try:

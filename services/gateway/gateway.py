@@ -13,6 +13,7 @@ import hashlib
 import logging
 import secrets
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -28,10 +29,12 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prefix_locator import PrefixLocator
 from services.gateway.responses import Kind, Prepared
+from services.gateway.resumable import Resumables
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
+from shared.cluster.event_log import EventLog
 from shared.cluster.keys import Keys
 from shared.cluster.slo import publish as publish_slo
 from shared.cluster.watermarks import Watermarks
@@ -112,6 +115,16 @@ class Gateway:
         )
         self.roles = ("colocated",) if settings.mode == "colocated" else ("prefill", "decode")
         self.in_flight = 0
+        self.instance_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        events = EventLog(
+            self.redis,
+            keys,
+            retention_s=settings.response_retention_s,
+            max_events=settings.response_max_events,
+            lease_s=settings.response_lease_s,
+        )
+        # each kind's rebuild (a take-over) is registered by the app, which knows them
+        self.resumables = Resumables(events, self.instance_id, rebuild={})
 
     async def start(self) -> None:
         await self.router.start()
@@ -119,6 +132,7 @@ class Gateway:
             self._slo_task = asyncio.create_task(self._publish_slo(), name="slo-publisher")
 
     async def stop(self) -> None:
+        await self.resumables.stop()
         if self._slo_task is not None:
             self._slo_task.cancel()
             await asyncio.gather(self._slo_task, return_exceptions=True)
@@ -171,6 +185,11 @@ class Gateway:
                     413, f"request body over {limit} bytes", code="request_too_large"
                 )
         return bytes(body)
+
+    @staticmethod
+    def tenant(api_key: str | None) -> str | None:
+        """Whose a resumable response is (a digest of the API key; None without keys)."""
+        return None if api_key is None else hashlib.sha256(api_key.encode()).hexdigest()[:32]
 
     def prepare(
         self, kind: Kind, raw: bytes, request_id: str, api_key: str | None = None
@@ -263,6 +282,7 @@ class Gateway:
             n=body.n,
             echo=echo,
             tools=body.tool_plan() if isinstance(body, ChatCompletionRequest) else None,
+            resumable=body.resumable(),
         )
         return prepared, spec
 

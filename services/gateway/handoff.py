@@ -284,6 +284,39 @@ class Handoff:
         finally:
             self._release(started, request_id)
 
+    async def resume(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        cache_salt: str | None,
+        generated: list[int],
+        attempt: int,
+    ) -> AsyncGenerator[Generated, None]:
+        """The tokens after ``generated`` of a request another gateway started and can no
+        longer carry (it died): a decode instance recomputes the prompt and the tokens
+        so far and goes on (sampling is keyed by seed and position: the same tokens), with
+        mid-stream failover as for any request. ``attempt`` numbers the take-overs."""
+        worker_id = f"{request_id}.g{attempt}"
+        body = DecodeRequest(
+            request_id=worker_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            cache_salt=cache_salt,
+            generated=list(generated),
+        )
+        hits = await self.locate(prompt, cache_salt)
+        pick, stream, _ = await self._open(
+            "decode", "/v1/decode", body.model_dump_json(), worker_id, 1, hits
+        )
+        session = self._decode_session(worker_id, body, pick, stream, hits)
+        try:
+            async for token in session.continued(generated):
+                yield Generated(token.token, token.finish_reason)
+        finally:
+            session.pick.done()
+            self.background.spawn(session.stream.aclose(), f"close:{worker_id}")
+
     def _session(
         self,
         request_id: str,
@@ -293,7 +326,16 @@ class Handoff:
         stream: WorkerStream,
     ) -> DecodeSession:
         decode_body = DecodeRequest(**body.model_dump(), kv_ids=started.accepted.kv_ids)
+        return self._decode_session(request_id, decode_body, pick, stream, started.hits)
 
+    def _decode_session(
+        self,
+        request_id: str,
+        decode_body: DecodeRequest,
+        pick: Pick,
+        stream: WorkerStream,
+        hits: PrefixHits,
+    ) -> DecodeSession:
         async def open_decode(
             resumed: DecodeRequest, exclude: set[str]
         ) -> tuple[Pick, WorkerStream]:
@@ -303,7 +345,7 @@ class Handoff:
                 resumed.model_dump_json(),
                 resumed.request_id,
                 1,
-                started.hits,
+                hits,
                 exclude,
             )
             return pick, stream

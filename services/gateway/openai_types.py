@@ -63,6 +63,9 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: Any = unsupported(None, False)
+    # Baton's extension: every event numbered and logged, so that the stream can be
+    # reattached (GET /v1/chat/completions/{id}/stream) here or at another gateway
+    resumable: bool = False
 
 
 class TextPart(_Body):
@@ -162,6 +165,8 @@ class SamplingFields(_Body):
     def _stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.resumable() and self.n > 1:
+            raise ValueError("a resumable stream has one choice (n = 1)")
         return self
 
     def stop_list(self) -> tuple[str, ...]:
@@ -174,6 +179,9 @@ class SamplingFields(_Body):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def resumable(self) -> bool:
+        return bool(self.stream_options and self.stream_options.resumable)
 
 
 class JsonSchemaFormat(_Body):

@@ -39,6 +39,7 @@ class Prepared:
     echo: str = ""  # completions' ``echo``: the prompt's text, put before the first token's
     tools: ToolPlan | None = None  # chat with tools: calls parsed out of the output
     created: int = field(default_factory=lambda: int(time.time()))
+    resumable: bool = False  # its events are logged and numbered (stream_options.resumable)
 
     @property
     def response_id(self) -> str:

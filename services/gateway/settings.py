@@ -45,6 +45,13 @@ class GatewaySettings(BaseSettings):
     # ... and a decode instance only while its recent steps take less than this (its
     # streams' time per output token, with the prompt chunks it took); 0: no limit
     lend_decode_step_s: float = Field(default=0.075, ge=0)
+    # resumable responses (Responses API, stream_options.resumable): their event logs in
+    # Redis are kept this long after the last event, at most this many events each, and
+    # the gateway producing one renews its lease this often (a third of it); another
+    # gateway continues a response whose lease has lapsed
+    response_retention_s: float = Field(default=600.0, gt=0)
+    response_max_events: int = Field(default=100_000, ge=16)
+    response_lease_s: float = Field(default=3.0, gt=0)
     # scope every request's cache_salt to its API key: tenants never share KV blocks
     cache_salt_by_api_key: bool = False
 
