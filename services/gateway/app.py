@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,19 +20,27 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from redis.exceptions import RedisError
 
+from services.gateway import response_service
 from services.gateway.completion import serve
 from services.gateway.gateway import Gateway, model_not_found
 from services.gateway.openai_schema import (
+    RESPONSES_NOTE,
+    RESUMABLE_NOTE,
     ChatCompletion,
     Completion,
+    DeletedResponse,
     Model,
     ModelList,
     Readiness,
+    ResponseObject,
     ok_response,
     request_body,
     request_schemas,
 )
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.reattach import reattach, rebuild_run
+from services.gateway.response_service import rebuild_response
+from services.gateway.responses_api import ResponsesRequest
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_page import PAGE, snapshot
 from shared.config import BatonSettings
@@ -46,7 +55,14 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
     async def build() -> Gateway:
         model = await asyncio.to_thread(load_tokenizer, baton.model, cache_dir=baton.cache_dir)
         log.info("gateway serving %s on port %d", model.name, settings.port)
-        return Gateway(settings, baton, model)
+        gw = Gateway(settings, baton, model)
+        # what continues each kind of resumable response another gateway started
+        gw.resumables.rebuild.update(
+            chat=partial(rebuild_run, gw),
+            completion=partial(rebuild_run, gw),
+            response=partial(rebuild_response, gw),
+        )
+        return gw
 
     app = service_app("Baton gateway", build)
 
@@ -68,6 +84,49 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
     )
     async def completions(request: Request) -> Response:
         return await serve(gateway(request), "completion", request)
+
+    @app.get(
+        "/v1/chat/completions/{response_id}/stream",
+        responses=ok_response(ChatCompletion, streams=True, note=RESUMABLE_NOTE),
+    )
+    async def chat_reattach(response_id: str, request: Request) -> Response:
+        """Reattach to a resumable chat stream: the events after ``Last-Event-ID`` (or
+        ``starting_after``)."""
+        return await reattach(gateway(request), ("chat",), response_id, request)
+
+    @app.get(
+        "/v1/completions/{response_id}/stream",
+        responses=ok_response(Completion, streams=True, note=RESUMABLE_NOTE),
+    )
+    async def completion_reattach(response_id: str, request: Request) -> Response:
+        return await reattach(gateway(request), ("completion",), response_id, request)
+
+    @app.post(
+        "/v1/responses",
+        openapi_extra=request_body(ResponsesRequest),
+        responses=ok_response(ResponseObject, streams=True, note=RESPONSES_NOTE),
+    )
+    async def responses_create(request: Request) -> Response:
+        return await response_service.create(gateway(request), request)
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        responses=ok_response(ResponseObject, streams=True, note=RESPONSES_NOTE),
+    )
+    async def responses_retrieve(response_id: str, request: Request) -> Response:
+        return await response_service.retrieve(gateway(request), response_id, request)
+
+    @app.post(
+        "/v1/responses/{response_id}/cancel", responses=ok_response(ResponseObject, streams=False)
+    )
+    async def responses_cancel(response_id: str, request: Request) -> Response:
+        return await response_service.cancel(gateway(request), response_id, request)
+
+    @app.delete(
+        "/v1/responses/{response_id}", responses=ok_response(DeletedResponse, streams=False)
+    )
+    async def responses_delete(response_id: str, request: Request) -> Response:
+        return await response_service.delete(gateway(request), response_id, request)
 
     @app.get("/v1/models", responses=ok_response(ModelList, streams=False))
     async def models(request: Request) -> Response:
@@ -100,7 +159,12 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
         gw = gateway(request)
         live = {role: len(gw.router.live(role)) for role in gw.roles}
         up = all(gw.router.candidates(role) for role in gw.roles)  # mixed ones may stand in
-        body = {"status": "ready" if up else "waiting", "redis": gw.router.redis_ok, **live}
+        body = {
+            "status": "ready" if up else "waiting",
+            "redis": gw.router.redis_ok,
+            "gateway": gw.instance_id,
+            **live,
+        }
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get(

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.responses_api import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -116,6 +117,54 @@ class Completion(_Out):
     prompt_token_ids: list[int] | None = None
 
 
+class OutputText(_Out):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(_Out):
+    id: str
+    type: Literal["message"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(_Out):
+    """A response of the Responses API (``object: response``); more fields echo the
+    request (``instructions``, ``temperature``, ``text``, ``metadata``...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    model: str
+    output: list[OutputMessage]
+    usage: ResponseUsage | None
+    error: dict[str, str] | None
+    incomplete_details: dict[str, str] | None
+    background: bool
+    store: bool
+
+
+class DeletedResponse(_Out):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
 class Readiness(BaseModel):
     """``/ready``: 200 once every role has a live instance, else 503; then the number of
     live instances of each role (``prefill``, ``decode``; or ``colocated``)."""
@@ -124,6 +173,7 @@ class Readiness(BaseModel):
 
     status: Literal["ready", "waiting"]
     redis: bool
+    gateway: str  # this gateway's instance id (owner of the resumable responses it makes)
     __pydantic_extra__: dict[str, int]
 
 
@@ -155,7 +205,9 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-def ok_response(model: type[BaseModel], streams: bool) -> dict[int | str, dict[str, Any]]:
+def ok_response(
+    model: type[BaseModel], streams: bool, note: str | None = None
+) -> dict[int | str, dict[str, Any]]:
     event = {
         "type": "object",
         "properties": {
@@ -168,7 +220,7 @@ def ok_response(model: type[BaseModel], streams: bool) -> dict[int | str, dict[s
     return {
         200: {
             "model": model,
-            "description": STREAM_NOTE if streams else "OK",
+            "description": note or (STREAM_NOTE if streams else "OK"),
             "content": content if streams else {},
         },
         **ERRORS,
@@ -178,7 +230,26 @@ def ok_response(model: type[BaseModel], streams: bool) -> dict[int | str, dict[s
 def request_schemas() -> dict[str, Any]:
     """JSON schemas of the request bodies and everything they refer to."""
     _, top = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        [
+            (ChatCompletionRequest, "validation"),
+            (CompletionRequest, "validation"),
+            (ResponsesRequest, "validation"),
+        ],
         ref_template=REF,
     )
     return dict(top.get("$defs", {}))
+
+
+RESUMABLE_NOTE = (
+    "text/event-stream: the events of a resumable response after the cursor, each with "
+    "its sequence number as the SSE `id`; the cursor is the Last-Event-ID header, else "
+    "`starting_after` (absent or -1: from the first). 404 unknown id (or another API "
+    "key's), 400 a cursor past the log, 410 a cursor the log no longer covers."
+)
+RESPONSES_NOTE = (
+    "A response object; with stream=true, text/event-stream: `event: <type>` and "
+    "`data: {json}` per event (response.created, response.in_progress, "
+    "response.output_item.added, response.content_part.added, response.output_text.delta, "
+    "..., response.completed / incomplete / failed / cancelled), each with its "
+    "sequence_number (also the SSE `id`)."
+)
