@@ -16,3 +16,13 @@ if [ -n "${BATON_EXTRAS:-}" ]; then
   spec=".[${BATON_EXTRAS}]"
 fi
 .venv/bin/python -m pip install --quiet -e "$spec"
+# the balancer in front of several gateways (baton up --gateways N): Debian's HAProxy
+if ! command -v haproxy >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get install -y --no-install-recommends haproxy >/dev/null \
+      || { apt-get update -qq && apt-get install -y --no-install-recommends haproxy >/dev/null; } \
+      || echo "install: haproxy could not be installed; baton up --gateways N needs it" >&2
+  else
+    echo "install: haproxy not found (apt-get install haproxy); baton up --gateways N needs it" >&2
+  fi
+fi

@@ -143,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     data_offset = KVSTORE_DATA_PORT - DEFAULT_PORTS["kvstore"]
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="gateway port")
     up.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway replicas; more than one run behind HAProxy on --port (health "
+        "checks on /ready; Debian's haproxy package), each on --gateway-port + i",
+    )
+    up.add_argument(
+        "--gateway-port",
+        type=int,
+        default=DEFAULT_PORTS["gateway-replica"],
+        help="first gateway replica's port (with --gateways > 1)",
+    )
+    up.add_argument(
         "--prefill-port", type=int, default=DEFAULT_PORTS["prefill"], help="first prefill port"
     )
     up.add_argument(
@@ -423,7 +436,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.max_threads = max(args.threads, len(os.sched_getaffinity(0)))
     if args.max_threads is not None and args.max_threads < args.threads:
         raise InvalidRequestError("--max-threads must be at least --threads")
-    names = ("prefill", "decode", "kvstore", "threads", "kv_replicas")
+    names = ("prefill", "decode", "kvstore", "threads", "kv_replicas", "gateways")
     for name in ("threads",) if args.colocated else names:
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
@@ -434,6 +447,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         "kvstore": args.kvstore_port,
         "kvstore-data": args.kvstore_port + (KVSTORE_DATA_PORT - DEFAULT_PORTS["kvstore"]),
         "colocated": args.decode_port,
+        "gateway-replica": args.gateway_port,
     }
     cpus: dict[str, str] = {}
     engine_cpus: dict[str, str] = {}
@@ -459,6 +473,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             decode=args.decode,
             kvstore=args.kvstore,
             gateway_port=args.port,
+            gateways=args.gateways,
             ports=ports,
             transport=args.transport,
             model=args.model,

@@ -25,6 +25,7 @@ ROLE_MODULES = {
     "prefill": "services.prefill",
     "decode": "services.decode",
     "gateway": "services.gateway",
+    "balancer": "services.balancer",
 }
 MIXED_MODULE = "services.mixed"
 DEFAULT_PORTS = {
@@ -33,6 +34,7 @@ DEFAULT_PORTS = {
     "decode": 8200,
     "kvstore": 8300,
     "colocated": 8400,
+    "gateway-replica": 8500,  # with several gateways (the balancer takes "gateway")
 }
 KVSTORE_DATA_PORT = 8301
 COMPOSE_REDIS_URL = "redis://redis:6379/0"
@@ -91,6 +93,8 @@ class Topology:
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
     colocated: int = 0  # baseline engines serving both phases (the gateway then uses only them)
+    # gateways: more than one run behind a balancer (HAProxy) on ``gateway_port``
+    gateways: int = 1
     # every prefill and decode instance serves both roles (its own first; the gateway lends
     # it to the other role while that role's queue is over its bound)
     mixed: bool = False
@@ -160,12 +164,26 @@ def plan(topo: Topology) -> list[ServiceSpec]:
             if topo.kv_cache_gb:
                 env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)
             specs.append(ServiceSpec(f"{role}-{i}", role, env, port, mixed=mixed))
-    env = {**common, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
+    gateway_env = dict(common)
     if topo.colocated:
-        env["BATON_GATEWAY_MODE"] = "colocated"
+        gateway_env["BATON_GATEWAY_MODE"] = "colocated"
     if "gateway" in topo.cpus:
-        env["BATON_CPUS"] = topo.cpus["gateway"]
-    specs.append(ServiceSpec("gateway", "gateway", env, topo.gateway_port))
+        gateway_env["BATON_CPUS"] = topo.cpus["gateway"]
+    if topo.gateways <= 1:
+        env = {**gateway_env, "BATON_GATEWAY_PORT": str(topo.gateway_port)}
+        specs.append(ServiceSpec("gateway", "gateway", env, topo.gateway_port))
+        return specs
+    backends = []
+    for i in range(topo.gateways):
+        port = topo.ports("gateway-replica", i)
+        env = {**gateway_env, "BATON_GATEWAY_PORT": str(port)}
+        specs.append(ServiceSpec(f"gateway-{i}", "gateway", env, port))
+        backends.append(f"127.0.0.1:{port}")
+    balancer = {
+        "BATON_BALANCER_PORT": str(topo.gateway_port),
+        "BATON_BALANCER_BACKENDS": ",".join(backends),
+    }
+    specs.append(ServiceSpec("balancer", "balancer", balancer, topo.gateway_port))
     return specs
 
 
@@ -240,15 +258,17 @@ class LocalCluster:
 
     @property
     def gateway_url(self) -> str:
-        gw = next(s for s in self.specs if s.role == "gateway")
-        return f"http://127.0.0.1:{gw.http_port}"
+        """Where clients go: the balancer in front of several gateways, else the one."""
+        front = next(s for s in self.specs if s.role in ("balancer", "gateway"))
+        front = next((s for s in self.specs if s.role == "balancer"), front)
+        return f"http://127.0.0.1:{front.http_port}"
 
     def start(self, timeout_s: float = 180.0) -> LocalCluster:
         try:
             self.redis.start()
             self.specs = plan(self.topo_for(self.redis.url))
             check_ports(self.specs)
-            stages = [["kvstore"], ["prefill", "decode", "colocated"], ["gateway"]]
+            stages = [["kvstore"], ["prefill", "decode", "colocated"], ["gateway"], ["balancer"]]
             for roles in stages:
                 started = [self._start(s) for s in self.specs if s.role in roles]
                 for proc in started:
@@ -290,7 +310,7 @@ class LocalCluster:
         return self._start(spec).wait_ready(timeout_s)
 
     def stop(self) -> None:
-        order = ["gateway", "colocated", "decode", "prefill", "kvstore"]
+        order = ["balancer", "gateway", "colocated", "decode", "prefill", "kvstore"]
         for role in order:
             for spec in self.specs:
                 proc = self.procs.get(spec.name)

@@ -75,6 +75,7 @@ def start_cluster(
     kv_cache_gb: float = 0.25,
     kvstore: int = 1,
     kvstore_gb: float = 0.25,
+    gateways: int = 1,
     **env: str,
 ) -> LocalCluster:
     def topology(redis_url: str) -> Topology:
@@ -86,6 +87,7 @@ def start_cluster(
             colocated=colocated,
             mixed=mixed,
             kvstore=0 if colocated else kvstore,
+            gateways=gateways,
             gateway_port=picker(),
             ports=picker,
             transport="ucx",

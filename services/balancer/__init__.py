@@ -1,0 +1,1 @@
+"""HAProxy in front of several gateways: one port, health checks on ``/ready``."""

@@ -1,0 +1,32 @@
+"""The balancer's HAProxy configuration (pure): every gateway checked on /ready, refused
+connections retried elsewhere, stream-long timeouts; and haproxy itself accepts it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.balancer.config import BalancerConfig
+
+
+def test_every_gateway_is_health_checked_behind_one_port() -> None:
+    text = BalancerConfig(8000, ["127.0.0.1:8500", "127.0.0.1:8501"], check_s=0.5).render()
+    assert "bind 0.0.0.0:8000" in text
+    assert "option httpchk GET /ready" in text
+    assert "server gateway-0 127.0.0.1:8500 check inter 500 fall 2 rise 1" in text
+    assert "server gateway-1 127.0.0.1:8501 check inter 500 fall 2 rise 1" in text
+    assert "retry-on conn-failure" in text and "option redispatch" in text
+    assert "timeout server 600000ms" in text  # a stream is as long as the gateway allows
+    with pytest.raises(ValueError):
+        BalancerConfig(8000, []).render()
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+def test_haproxy_accepts_the_configuration(tmp_path: Path) -> None:
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(BalancerConfig(8000, ["127.0.0.1:8500"]).render())
+    check = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
