@@ -34,6 +34,7 @@ class Target:
     model: str
     api_key: str | None = None
     timeout_s: float = 600.0
+    resumable: bool = False  # Baton's stream_options.resumable (numbered, logged events)
 
 
 async def discover_model(http: httpx.AsyncClient, base_url: str) -> str:
@@ -125,6 +126,8 @@ def _request_body(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if target.resumable:
+        body["stream_options"]["resumable"] = True
     if spec.seed is not None:
         body |= {"temperature": 0.8, "seed": spec.seed}
     if spec.chat is not None:  # a chunk per token, even while a tool call is held back
