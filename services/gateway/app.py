@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from redis.exceptions import RedisError
 
 from services.gateway import response_service
@@ -213,11 +214,15 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
 
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
-        allow = getattr(exc, "headers", None) or {}  # Starlette names the route's methods
+        # every route on this path (Starlette names only the first one's methods)
+        methods: set[str] = set()
+        for route in app.routes:
+            if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
+                methods |= route.methods or set()
         return JSONResponse(
             error_body(405, f"{request.method} is not allowed on {request.url.path}"),
             405,
-            headers={k: v for k, v in allow.items() if k.lower() == "allow"},
+            headers={"Allow": ", ".join(sorted(methods))} if methods else {},
         )
 
     return app

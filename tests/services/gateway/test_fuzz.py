@@ -56,7 +56,8 @@ def test_schemathesis_finds_nothing(capped: LocalCluster, tmp_path: Path) -> Non
             "--seed",
             "20261123",
             "--workers",
-            "2",
+            "1",  # with 2, hypothesis' lambda parsing in threads trips CPython 3.11's AST
+            # validator ("AST constructor recursion depth mismatch"), a schemathesis error
             "--request-timeout",
             "120",
             "--no-color",
@@ -69,4 +70,4 @@ def test_schemathesis_finds_nothing(capped: LocalCluster, tmp_path: Path) -> Non
     )
     summary = run.stdout[-6000:]
     assert run.returncode == 0, summary
-    assert "Tested: 7" in summary, summary  # every operation was exercised
+    assert "Tested: 13" in summary, summary  # every operation was exercised
