@@ -37,6 +37,7 @@ from services.gateway.openai_schema import (
     ok_response,
     request_body,
     request_schemas,
+    with_links,
 )
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.reattach import reattach, rebuild_run
@@ -104,27 +105,40 @@ def create_app(settings: GatewaySettings, baton: BatonSettings) -> FastAPI:
 
     @app.post(
         "/v1/responses",
+        operation_id="createResponse",
         openapi_extra=request_body(ResponsesRequest),
-        responses=ok_response(ResponseObject, streams=True, note=RESPONSES_NOTE),
+        responses=with_links(
+            ok_response(ResponseObject, streams=True, note=RESPONSES_NOTE),
+            {
+                "retrieve": "retrieveResponse",
+                "cancel": "cancelResponse",
+                "delete": "deleteResponse",
+            },
+        ),
     )
     async def responses_create(request: Request) -> Response:
         return await response_service.create(gateway(request), request)
 
     @app.get(
         "/v1/responses/{response_id}",
+        operation_id="retrieveResponse",
         responses=ok_response(ResponseObject, streams=True, note=RESPONSES_NOTE),
     )
     async def responses_retrieve(response_id: str, request: Request) -> Response:
         return await response_service.retrieve(gateway(request), response_id, request)
 
     @app.post(
-        "/v1/responses/{response_id}/cancel", responses=ok_response(ResponseObject, streams=False)
+        "/v1/responses/{response_id}/cancel",
+        operation_id="cancelResponse",
+        responses=ok_response(ResponseObject, streams=False),
     )
     async def responses_cancel(response_id: str, request: Request) -> Response:
         return await response_service.cancel(gateway(request), response_id, request)
 
     @app.delete(
-        "/v1/responses/{response_id}", responses=ok_response(DeletedResponse, streams=False)
+        "/v1/responses/{response_id}",
+        operation_id="deleteResponse",
+        responses=ok_response(DeletedResponse, streams=False),
     )
     async def responses_delete(response_id: str, request: Request) -> Response:
         return await response_service.delete(gateway(request), response_id, request)

@@ -227,6 +227,22 @@ def ok_response(
     }
 
 
+def with_links(
+    responses: dict[int | str, dict[str, Any]], links: dict[str, str]
+) -> dict[int | str, dict[str, Any]]:
+    """``responses`` whose 200 links to the operations (by id) that take its body's
+    ``id`` as ``response_id`` (what a client, or a stateful fuzzer, calls next)."""
+    out = dict(responses)
+    out[200] = {
+        **out[200],
+        "links": {
+            name: {"operationId": op, "parameters": {"response_id": "$response.body#/id"}}
+            for name, op in links.items()
+        },
+    }
+    return out
+
+
 def request_schemas() -> dict[str, Any]:
     """JSON schemas of the request bodies and everything they refer to."""
     _, top = models_json_schema(
