@@ -23,6 +23,10 @@ process (greedy and seeded): a broken stream is an error or any token that diffe
     python -m benchmarks.failover_bench e2e --rounds 3
     python -m benchmarks.failover_bench replication --rounds 3
     python -m benchmarks.failover_bench rolling
+    python -m benchmarks.failover_bench soak --duration 600 --streams 16
+
+- ``soak``: no fault, ``--duration`` seconds of saturating load with ``--prompt``-token
+  prompts; any failover is a false alarm (the hang detection's false-positive rate).
 """
 
 from __future__ import annotations
@@ -120,8 +124,7 @@ def run_chaos(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             )
             print(f"round {i + 1}: {run.victim} {args.fault}: broken {len(bad)}, "
                   f"worst gap {max(gaps):.3f}s", flush=True)  # fmt: skip
-        reason = chaos.FAULT_REASON[args.fault]
-        failovers = metric_sum(local.gateway_url, "baton_failovers_total", f'reason="{reason}"')
+        failovers = chaos.failovers(local.gateway_url, args.fault)
         gateway_gap = gateway_resume_gap(local.gateway_url)
     worst = [r["worst_gap_s"] for r in rounds]
     every = [g for r in rounds for g in r["gaps_s"]]
@@ -271,6 +274,31 @@ def run_redis(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
     return {"requests": len(results), "broken": bad, "recovery_s": back, "kill_after": bad_after}
 
 
+def run_soak(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    """No fault: ``--duration`` seconds of saturating load with long prompts (``--prompt``
+    tokens, ``--streams`` in flight); every failover counted is a false alarm."""
+    rng = random.Random(args.seed)
+    reqs = iter(
+        chaos.make_requests(
+            rng, 10_000, prompt_len=(args.prompt, args.prompt), max_tokens=args.output_len
+        )
+    )
+    with cluster(args) as sup:
+        local = sup.local
+        chaos.settle(local)
+        results = asyncio.run(
+            chaos.under_load(local, MODEL, reqs, args.streams,
+                             lambda: asyncio.sleep(args.duration))
+        )  # fmt: skip
+        failovers = {
+            reason: metric_sum(local.gateway_url, "baton_failovers_total", f'reason="{reason}"')
+            for reason in ("lost", "hung", "stalled", "failed", "migrated")
+        }
+    bad = ref.broken(results)
+    print(f"soak: {len(results)} streams, {len(bad)} broken, failovers {failovers}", flush=True)
+    return {"streams": len(results), "broken": bad, "failovers": failovers}
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] = {
     "chaos": run_chaos,
     "e2e": run_e2e,
@@ -278,6 +306,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] 
     "rolling": run_rolling,
     "store": run_store,
     "redis": run_redis,
+    "soak": run_soak,
 }
 
 
@@ -289,9 +318,12 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=4, help="concurrent streams")
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--decode", type=int, default=3, help="decode instances")
-    p.add_argument("--duration", type=float, default=30.0, help="replication: seconds of load")
+    p.add_argument(
+        "--duration", type=float, default=30.0, help="replication, soak: seconds of load"
+    )
     p.add_argument("--hold", type=float, default=30.0, help="store: seconds of load after the kill")
     p.add_argument("--down", type=float, default=10.0, help="seconds Redis is down")
+    p.add_argument("--prompt", type=int, default=2048, help="soak: prompt tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", type=Path, default=None, help="keep service logs here")
     p.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")

@@ -25,9 +25,9 @@ ROLE_MODULES = {
     "prefill": "services.prefill",
     "decode": "services.decode",
     "gateway": "services.gateway",
-    "balancer": "services.balancer",
 }
 MIXED_MODULE = "services.mixed"
+BALANCER_MODULE = "services.balancer"  # HAProxy before several gateways (local only)
 DEFAULT_PORTS = {
     "gateway": 8000,
     "prefill": 8100,
@@ -52,6 +52,8 @@ class ServiceSpec:
     def module(self) -> str:
         if self.mixed:
             return MIXED_MODULE
+        if self.role == "balancer":
+            return BALANCER_MODULE
         return ROLE_MODULES["decode" if self.role == "colocated" else self.role]
 
     def command(self, python: str = "python") -> list[str]:

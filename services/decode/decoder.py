@@ -37,7 +37,7 @@ from shared.kvstore.connector import KVStoreConnector
 from shared.serving.errors import ServiceError
 from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import Accepted, DecodeRequest, MigrateEvent, WireToken
-from shared.serving.token_stream import TokenStream
+from shared.serving.token_stream import STEP_HANG_S, TokenStream
 from shared.serving.worker import Worker
 from shared.serving.worker_metrics import WorkerMetrics
 
@@ -170,7 +170,9 @@ class Decoder(Worker):
             first_here = len(body.generated) + (1 if body.resumed else 2)
             joined = False
             try:
-                async for event in tokens.events(outputs, steps=self._steps):
+                async for event in tokens.events(
+                    outputs, steps=self._steps, stepping=self._stepping
+                ):
                     if not joined and tokens.generated >= first_here:
                         joined = True
                         self.decode_metrics.join_wait_s.observe(time.perf_counter() - arrival)
@@ -200,6 +202,11 @@ class Decoder(Worker):
 
     def _steps(self) -> int:
         return self.loop.stats.steps
+
+    def _stepping(self) -> bool:
+        """Inside a step that began recently (a long one still counts as progress)."""
+        since = self.loop.stats.step_since
+        return since is not None and time.perf_counter() - since < STEP_HANG_S
 
     async def _migrate(self, rid: str) -> MigrateEvent:
         """End the request here; once its computed blocks are stored, say where."""

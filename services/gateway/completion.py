@@ -144,22 +144,29 @@ async def numbered(owned: Owned) -> AsyncIterator[str]:
     """A resumable stream for the client that started it: each event with its number
     (SSE ``id``), which a reattach names (``Last-Event-ID`` or ``starting_after``).
     The client going away does not stop the response."""
-    async for item in owned.delivered():
-        if item.seq is None:
-            yield RESUMABLE_OFF  # the log failed: what follows cannot be reattached
-            yield item.data
-            async for rest in owned.delivered():
-                yield rest.data
-            return
-        yield f"id: {item.seq}\n{item.data}"
+    try:
+        async for item in owned.delivered():
+            if item.seq is None:
+                yield RESUMABLE_OFF  # the log failed: what follows cannot be reattached
+                yield item.data
+                async for rest in owned.delivered():
+                    yield rest.data
+                return
+            yield f"id: {item.seq}\n{item.data}"
+    finally:
+        owned.detach()  # gone or done: nothing more is kept for this client
 
 
 async def unlogged(run: Run) -> AsyncIterator[str]:
     """A resumable stream whose log could not be opened (Redis down): an ordinary one,
     after an event that says so."""
     yield RESUMABLE_OFF
-    async for chunk in run.stream():
-        yield chunk
+    chunks = run.stream()
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await chunks.aclose()
 
 
 class RunSource:
@@ -261,9 +268,13 @@ class Run:
         finally:
             await self._finish(outcome)
 
-    async def stream(self) -> AsyncIterator[str]:
-        async for event in self.events():
-            yield event.data
+    async def stream(self) -> AsyncGenerator[str, None]:
+        events = self.events()
+        try:
+            async for event in events:
+                yield event.data
+        finally:
+            await events.aclose()  # now, not when collected: the workers stop at once
 
     async def whole(self, headers: dict[str, str]) -> Response:
         outcome = "error"

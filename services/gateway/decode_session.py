@@ -1,9 +1,9 @@
 """The decode phase of one request, across decode instances (mid-stream failover).
 
 Tokens come from the current decode instance. When it dies (its stream breaks),
-hangs (it left membership: missed heartbeats; or no progress for
-``progress_timeout_s``: neither a token nor a ``waiting`` event, which a decode
-instance sends while the request is queued or preempted and its engine steps),
+hangs (it left membership: missed heartbeats; or no progress for ``silence_s``:
+neither a token nor a ``waiting`` event, which a decode instance sends every
+0.25 s while its engine makes progress without a token for this request),
 fails (an internal error event) or drains (it ends the stream with ``migrate``), the
 request resumes on another instance: it loads the KV stored up to the
 request's replication watermark, recomputes the few tokens past it, and goes
@@ -51,7 +51,11 @@ OpenDecode = Callable[[DecodeRequest, set[str]], Awaitable[tuple[Pick, WorkerStr
 
 @dataclass(frozen=True)
 class FailoverPolicy:
-    progress_timeout_s: float = 60.0  # no event for this long from a live instance: hung
+    progress_timeout_s: float = 60.0  # bound on handing over the first token, and on a resume
+    # a stream that sends nothing this long (no token, no keepalive: a decode instance
+    # sends one every 0.25 s while its engine makes progress) is hung: stopped
+    # (SIGSTOP), or its engine thread stuck; it is resumed elsewhere
+    silence_s: float = 1.5
     failover_timeout_s: float = 60.0  # give up when no instance took the request for this long
     max_resumes: int = 16  # a request that keeps failing everywhere is not a failover
 
@@ -146,7 +150,7 @@ class DecodeSession:
             except TimeoutError:
                 if not self._alive():
                     raise _Interrupted("hung") from None
-                if time.monotonic() - last > self.policy.progress_timeout_s:
+                if time.monotonic() - last > self.policy.silence_s:
                     raise _Interrupted("stalled") from None
                 continue
             except ServiceError as exc:

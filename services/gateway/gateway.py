@@ -109,6 +109,7 @@ class Gateway:
             attempts=settings.connect_attempts,
             failover=FailoverPolicy(
                 progress_timeout_s=settings.decode_progress_timeout_s,
+                silence_s=max(settings.decode_silence_s, 2 * (baton.slo().tpot_s or 0.0)),
                 failover_timeout_s=settings.failover_timeout_s,
             ),
             colocated=settings.mode == "colocated",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 import redis
 
+from shared.bench.scrape import metric_sum
 from shared.cluster.keys import Keys
 from shared.engine.constraint import Constraint
 from shared.engine.sampling_params import SamplingParams
@@ -41,7 +42,20 @@ if TYPE_CHECKING:
     from shared.engine.engine import Engine
 
 Fault = Literal["kill", "stop", "term"]
-FAULT_REASON: dict[Fault, str] = {"kill": "lost", "stop": "hung", "term": "migrated"}
+# the gateway's failover reasons each fault shows as (a stopped instance: its streams go
+# silent, or, later, it leaves membership)
+FAULT_REASONS: dict[Fault, tuple[str, ...]] = {
+    "kill": ("lost",),
+    "stop": ("stalled", "hung"),
+    "term": ("migrated",),
+}
+
+
+def failovers(url: str, fault: Fault) -> float:
+    """The gateway's failovers so far of the kinds ``fault`` causes."""
+    return sum(
+        metric_sum(url, "baton_failovers_total", f'reason="{r}"') for r in FAULT_REASONS[fault]
+    )
 
 
 @dataclass(frozen=True)

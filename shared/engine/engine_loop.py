@@ -133,9 +133,10 @@ class LoopStats:
     # step seconds by the thread count they ran on (a step may shrink between layers)
     thread_seconds: dict[int, float] = field(default_factory=dict)
     _counting_since: float | None = None  # inside a step: when the current count began
+    step_since: float | None = None  # inside a step: when it began (perf_counter)
 
     def step_started(self, threads: int, now: float) -> None:
-        self.threads, self._counting_since = threads, now
+        self.threads, self._counting_since, self.step_since = threads, now, now
 
     def threads_changed(self, threads: int, now: float) -> None:
         """Between two layers of a step (or before one): the count from now on."""
@@ -144,7 +145,7 @@ class LoopStats:
 
     def step_ended(self, now: float) -> None:
         self._count(now)
-        self._counting_since = None
+        self._counting_since = self.step_since = None
 
     def _count(self, now: float) -> None:
         if self._counting_since is not None:

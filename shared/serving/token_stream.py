@@ -11,9 +11,11 @@ from shared.engine.outputs import RequestTimings
 from shared.engine.request import CacheHit, TokenLogprobs
 from shared.serving.protocol import TokenEvent, WaitingEvent, WireToken
 
-# a decode stream silent this long while its engine steps says it is waiting (well under
-# the gateway's progress timeout)
-WAITING_EVENT_S = 5.0
+# a decode stream silent this long while its engine makes progress says so (a keepalive:
+# the gateway takes a stream silent for a few of these as hung, and resumes it elsewhere)
+WAITING_EVENT_S = 0.25
+# a step running longer than this is not progress (a stuck engine thread)
+STEP_HANG_S = 30.0
 
 
 @dataclass
@@ -26,12 +28,17 @@ class TokenStream:
     cache_hit: CacheHit | None = None  # prompt tokens not computed here (first output)
 
     async def events(
-        self, outputs: asyncio.Queue[Output], steps: Callable[[], int] | None = None
+        self,
+        outputs: asyncio.Queue[Output],
+        steps: Callable[[], int] | None = None,
+        stepping: Callable[[], bool] | None = None,
     ) -> AsyncIterator[TokenEvent | WaitingEvent]:
         """Raises :class:`~shared.engine.engine_loop.StreamInterrupted` when the loop
         interrupted the request. With ``steps`` (the engine's step count), a request
-        that gets no token for :data:`WAITING_EVENT_S` while the engine keeps stepping
-        (queued, or preempted) yields a ``waiting`` event; a stuck engine yields none."""
+        that gets no token for :data:`WAITING_EVENT_S` while the engine makes progress
+        (its step count grew, or ``stepping``: it is inside a step begun less than
+        :data:`STEP_HANG_S` ago: a long prompt chunk) yields a ``waiting`` event; a
+        stuck engine yields none."""
         seen = steps() if steps is not None else 0
         while self.finish_reason is None:
             if steps is None:
@@ -41,7 +48,7 @@ class TokenStream:
                     out = await asyncio.wait_for(next_output(outputs), WAITING_EVENT_S)
                 except TimeoutError:
                     now = steps()
-                    if now > seen:
+                    if now > seen or (stepping is not None and stepping()):
                         seen = now
                         yield WaitingEvent(steps=now)
                     continue

@@ -27,13 +27,13 @@ import pytest
 
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench.chaos import (
-    FAULT_REASON,
     ChaosRequest,
     Fault,
     StreamResult,
     Supervised,
     apply_fault,
     broken,
+    failovers,
     kill_instance,
     make_requests,
     redis_outage,
@@ -92,11 +92,10 @@ def test_streams_survive_a_decode_instance_failing_mid_stream(
     settle(chaos.local)
     reqs = requests(6, seed={"kill": 1, "stop": 2, "term": 3}[fault])
     url = chaos.local.gateway_url
-    labels = f'reason="{FAULT_REASON[fault]}"'
-    before = metric_sum(url, "baton_failovers_total", labels)
+    before = failovers(url, fault)
     got = run_with_fault(chaos.local, reqs, fault)
     assert broken(got, reference(engine, reqs)) == []
-    assert metric_sum(url, "baton_failovers_total", labels) > before
+    assert failovers(url, fault) > before
 
 
 def load(

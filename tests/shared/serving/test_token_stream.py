@@ -39,6 +39,31 @@ def test_waiting_events_follow_engine_steps_not_the_clock(monkeypatch: pytest.Mo
     assert asyncio.run(run()) == [WaitingEvent(steps=3), WaitingEvent(steps=4)]
 
 
+def test_a_long_step_in_progress_keeps_the_stream_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that takes long (a long prompt chunk beside the stream) is progress: the
+    keepalives go on while it runs, and stop once nothing runs and nothing steps."""
+    monkeypatch.setattr(token_stream, "WAITING_EVENT_S", 0.02)
+    busy = [True]
+
+    async def run() -> int:
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        events = TokenStream().events(outputs, steps=lambda: 5, stepping=lambda: busy[0])
+        got = 0
+        for _ in range(3):  # the step count never grows, the step goes on
+            assert await asyncio.wait_for(anext(events), 1.0) == WaitingEvent(steps=5)
+            got += 1
+        busy[0] = False  # the engine thread stopped: silence
+        late = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.1)
+        assert not late.done()
+        outputs.put_nowait(None)
+        with pytest.raises(RuntimeError, match="engine stopped"):
+            await late
+        return got
+
+    assert asyncio.run(run()) == 3
+
+
 def test_without_a_step_count_a_stream_only_carries_tokens() -> None:
     async def run() -> float:
         outputs: asyncio.Queue[Output] = asyncio.Queue()
