@@ -294,6 +294,8 @@ def run_soak(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             reason: metric_sum(local.gateway_url, "baton_failovers_total", f'reason="{reason}"')
             for reason in ("lost", "hung", "stalled", "failed", "migrated")
         }
+    # before the token check, which recomputes every stream in this process (minutes)
+    print(f"soak: {len(results)} streams, failovers {failovers}", flush=True)
     bad = ref.broken(results)
     print(f"soak: {len(results)} streams, {len(bad)} broken, failovers {failovers}", flush=True)
     return {"streams": len(results), "broken": bad, "failovers": failovers}
