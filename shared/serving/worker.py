@@ -313,4 +313,9 @@ class Worker:
             "cleanups": float(len(self.background)),
             "running": float(snap.running),
             "requests": float(len(snap.requests)),
+            # pacing (a TPOT target): steps held back, and the time given to others
+            "paced_steps": float(self.loop.pacer.paced_steps if self.loop.pacer else 0),
+            "paced_s": self.loop.pacer.paced_s if self.loop.pacer else 0.0,
+            # seconds of engine steps on 2+ threads (elastic prefill using a freed core)
+            "multi_thread_s": sum(v for n, v in s.thread_seconds.items() if n > 1),
         }

@@ -76,6 +76,7 @@ def start_cluster(
     kvstore: int = 1,
     kvstore_gb: float = 0.25,
     gateways: int = 1,
+    max_threads: int | None = None,
     **env: str,
 ) -> LocalCluster:
     def topology(redis_url: str) -> Topology:
@@ -92,6 +93,7 @@ def start_cluster(
             ports=picker,
             transport="ucx",
             threads=1,
+            max_threads=max_threads,  # prefill's elastic ceiling (None: fixed at 1)
             dtype="float32",  # what the in-process reference engines compute in
             kv_cache_gb=kv_cache_gb,
             kvstore_gb=kvstore_gb,
