@@ -295,7 +295,12 @@ def run_soak(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             for reason in ("lost", "hung", "stalled", "failed", "migrated")
         }
     # before the token check, which recomputes every stream in this process (minutes)
-    print(f"soak: {len(results)} streams, failovers {failovers}", flush=True)
+    errors = [r.error for r in results if r.error]
+    print(
+        f"soak: {len(results)} streams ({len(errors)} with an error, e.g. "
+        f"{errors[:1]}), failovers {failovers}",
+        flush=True,
+    )
     bad = ref.broken(results)
     print(f"soak: {len(results)} streams, {len(bad)} broken, failovers {failovers}", flush=True)
     return {"streams": len(results), "broken": bad, "failovers": failovers}
