@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import redis.asyncio as aioredis
@@ -29,6 +29,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prefix_locator import PrefixLocator
 from services.gateway.responses import Kind, Prepared
+from services.gateway.responses_api import ResponsesRequest
 from services.gateway.resumable import Resumables
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
@@ -47,6 +48,8 @@ from shared.serving.errors import ServiceError
 from shared.serving.protocol import ConstraintSpec, SamplingSpec
 
 log = logging.getLogger(__name__)
+# a request body with a model name (chat, completions, Responses)
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest, ResponsesRequest)
 
 
 def _constraint_param(constraint: Constraint) -> str:
@@ -192,16 +195,24 @@ class Gateway:
         """Whose a resumable response is (a digest of the API key; None without keys)."""
         return None if api_key is None else hashlib.sha256(api_key.encode()).hexdigest()[:32]
 
-    def prepare(
-        self, kind: Kind, raw: bytes, request_id: str, api_key: str | None = None
-    ) -> tuple[Prepared, SamplingSpec]:
-        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    def parse(self, model_cls: type[Body], raw: bytes) -> Body:
+        """A request body validated (400 naming the parameter), for the served model (404)."""
         try:
             body = model_cls.model_validate_json(raw)
         except ValidationError as exc:
             raise invalid_body(exc) from exc
         if body.model != self.model.name:
             raise model_not_found(body.model)
+        return body
+
+    def prepare(
+        self, kind: Kind, raw: bytes, request_id: str, api_key: str | None = None
+    ) -> tuple[Prepared, SamplingSpec]:
+        body: ChatCompletionRequest | CompletionRequest = (
+            self.parse(ChatCompletionRequest, raw)
+            if kind == "chat"
+            else self.parse(CompletionRequest, raw)
+        )
         problem = body.problem() if isinstance(body, ChatCompletionRequest) else None
         if problem is not None:
             raise ServiceError(400, problem[1], code="invalid_request", param=problem[0])

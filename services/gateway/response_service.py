@@ -20,10 +20,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from services.gateway.gateway import Gateway, invalid_body, model_not_found
+from services.gateway.gateway import Gateway
 from services.gateway.handoff import Generated
 from services.gateway.reattach import check_cursor, checked_record, cursor, regenerate
 from services.gateway.responses import Prepared, ResponseBuilder
@@ -111,13 +110,7 @@ class ResponseSource:
 
 
 def _parse(gw: Gateway, raw: bytes) -> ResponsesRequest:
-    try:
-        body = ResponsesRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise invalid_body(exc) from exc
-    if body.model != gw.model.name:
-        raise model_not_found(body.model)
-    return body
+    return gw.parse(ResponsesRequest, raw)
 
 
 def _prepare(

@@ -18,8 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as redis_client
 from openai import OpenAI
 
+from shared.cluster.keys import Keys
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 from shared.launcher import LocalCluster
@@ -277,10 +279,17 @@ def test_with_redis_down_a_resumable_stream_is_served_as_an_ordinary_one(
         assert tokens_of(got[1:]) == expected(engine, prompt, None)
     finally:
         redis.start()
-    deadline = time.monotonic() + 30  # the instances re-register with the empty Redis
-    while httpx.get(gateways.front + "/ready").status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
+    # the instances re-register with the empty Redis (within a heartbeat or two)
+    client = redis_client.Redis.from_url(redis.url)
+    keys = Keys(gateways.local.specs[0].env.get("BATON_REDIS_PREFIX", "baton"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(client.keys(keys.member(role, "*")) for role in ("prefill", "decode")):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the instances did not re-register after Redis came back")
+    client.close()
 
 
 def test_streams_whose_gateway_was_killed_are_continued_through_the_balancer(
