@@ -10,7 +10,9 @@ the causal work (4 * heads * head_dim per query-key pair attended).
 
 ``--against REV`` also builds the kernel as it was at git revision REV (its
 ``shared/kernels`` sources) and times it in the same rounds, for a before/after
-ratio measured side by side.
+ratio measured side by side; with ``--decode-batch`` the decode kernel (the same
+tile, one token per sequence) is timed against REV's too, at each batch size over
+contexts of 512 and 2,048 tokens (decode has no SDPA twin here).
 
     python -m benchmarks.attention_bench --against HEAD~1 --out bench-results/attention.json
 """
@@ -30,8 +32,9 @@ from benchmarks.engine_bench import paired
 from benchmarks.results import save_json
 from shared.config import default_cache_dir
 from shared.kernels.build import build_library
+from shared.kernels.paged_decode import PagedDecodeKernel
 from shared.kernels.paged_prefill import PagedPrefillKernel
-from shared.model.attention import PrefillSegment
+from shared.model.attention import DecodeBatch, PrefillSegment
 from shared.model.prefill_attention import NativePrefill, PrefillAttention, SdpaPrefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -58,8 +61,8 @@ def flops(new: int, context: int) -> float:
     return 4.0 * HEADS * HEAD_DIM * pairs
 
 
-def kernel_at(rev: str, out_dir: Path) -> PagedPrefillKernel:
-    """The prefill kernel compiled from git revision ``rev``'s sources."""
+def library_at(rev: str, out_dir: Path) -> Path:
+    """The attention library compiled from git revision ``rev``'s sources."""
     src = out_dir / "src"
     src.mkdir(parents=True, exist_ok=True)
     names = subprocess.run(
@@ -74,7 +77,62 @@ def kernel_at(rev: str, out_dir: Path) -> PagedPrefillKernel:
                 ["git", "show", f"{rev}:{name}"], check=True, capture_output=True, text=True
             ).stdout
             (src / Path(name).name).write_text(text)
-    return PagedPrefillKernel(build_library(src / "paged_decode.c", out_dir))
+    return build_library(src / "paged_decode.c", out_dir)
+
+
+DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch]
+
+
+def make_decode_inputs(batch: int, context: int, dtype: torch.dtype) -> DecodeInputs:
+    """``batch`` sequences of ``context`` tokens, their blocks shuffled through one pool."""
+    g = torch.Generator().manual_seed(1)
+    blocks = -(-context // BLOCK)
+    pool = torch.randn(batch * blocks + 8, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    order = torch.randperm(batch * blocks + 8, generator=g)[: batch * blocks].view(batch, blocks)
+    tables = DecodeBatch.build(order.tolist(), [context] * batch, BLOCK, "cpu")
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+    return q, pool[:, 0], pool[:, 1], tables
+
+
+def timed_decode(kernel: PagedDecodeKernel, args: DecodeInputs, reps: int) -> float:
+    q, k_pool, v_pool, batch = args
+    out = torch.empty_like(q)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        kernel(q, k_pool, v_pool, batch.tables, batch.lens, HEAD_DIM**-0.5, out)
+    return (time.perf_counter() - t0) / reps
+
+
+def decode_rows(
+    now: PagedDecodeKernel, then: PagedDecodeKernel, rev: str, args: argparse.Namespace
+) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for batch in args.decode_batch:
+                for context in (512, 2048):
+                    inputs = make_decode_inputs(batch, context, dtype)
+                    reps = max(1, 4096 // (batch * context // 64))
+                    t_then, t_now = paired(
+                        partial(timed_decode, then, inputs, reps),
+                        partial(timed_decode, now, inputs, reps),
+                        args.repeats,
+                    )
+                    rows.append({
+                        "kind": "decode", "dtype": dtype_name, "threads": threads,
+                        "batch": batch, "context": context, "native_ms": t_now * 1e3,
+                        "before_ms": t_then * 1e3, "against": rev,
+                        "time_vs_before": t_now / t_then,
+                    })  # fmt: skip
+                    print(
+                        f"decode attention  {dtype_name:8s} threads={threads} batch={batch:<3d} "
+                        f"context={context:<5d} native {t_now * 1e3:7.3f} ms  {rev} "
+                        f"{t_then * 1e3:7.3f} ms (now/then {t_now / t_then:.2f})",
+                        flush=True,
+                    )
+    return rows
 
 
 def timed(impl: PrefillAttention, args: Inputs, scale: float, reps: int) -> float:
@@ -91,16 +149,24 @@ def main() -> None:
     p.add_argument("--prompts", nargs="+", type=int, default=[128, 512, 1024, 2048])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--against", metavar="REV", default=None, help="git revision to compare")
+    p.add_argument(
+        "--decode-batch", nargs="*", type=int, default=[],
+        help="also time decode at these batch sizes against REV",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     kernel = PagedPrefillKernel.build(default_cache_dir() / "kernels")
     native, sdpa = NativePrefill(kernel), SdpaPrefill()
     before = None
+    results: list[dict[str, object]] = []
     if args.against:
-        before = NativePrefill(kernel_at(args.against, Path(tempfile.mkdtemp(prefix="attn-"))))
+        old_library = library_at(args.against, Path(tempfile.mkdtemp(prefix="attn-")))
+        before = NativePrefill(PagedPrefillKernel(old_library))
+        if args.decode_batch:
+            now = PagedDecodeKernel.build(default_cache_dir() / "kernels")
+            results += decode_rows(now, PagedDecodeKernel(old_library), args.against, args)
     # (new tokens, context): fresh prompts, then a 512-token chunk on a cached prefix
     cases = [(n, n) for n in args.prompts] + [(512, 2048)]
-    results = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for threads in args.threads:

@@ -125,6 +125,8 @@ def test_as_accurate_as_sdpa(
         (10, 2, 40, 8),
         (4, 4, 64, 16),
         (8, 4, 64, 32),
+        (16, 1, 64, 16),  # a group filling a 16-row tile half alone
+        (40, 2, 64, 16),  # a group over 16: its heads split across tiles
     ],
 )
 def test_each_row_is_bitwise_what_decode_computes(
@@ -149,6 +151,27 @@ def test_each_row_is_bitwise_what_decode_computes(
     rows = torch.empty_like(c.q)
     decode(c.q, c.k_pool, c.v_pool, batch.tables, batch.lens, c.scale, rows)
     assert torch.equal(prefill, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "context_len"), [(37, 37), (36, 101), (1, 33)])
+def test_pool_slots_past_the_context_are_never_read(
+    kernel: PagedPrefillKernel, dtype: torch.dtype, n: int, context_len: int
+) -> None:
+    """NaN in the unwritten slots of the context's last block (and in every block
+    outside the table) changes nothing: odd lengths end a key pair there."""
+    c = make_case(dtype=dtype, n=n, context_len=context_len, seed=11)
+    clean = run(kernel, c)
+    last = int(c.table[-1])
+    used = c.context_len - (len(c.table) - 1) * c.k_pool.shape[1]
+    outside = torch.ones(c.k_pool.shape[0], dtype=torch.bool)
+    outside[c.table] = False
+    for pool in (c.k_pool, c.v_pool):
+        pool[last, used:] = float("nan")
+        pool[outside] = float("nan")
+    poisoned = run(kernel, c)
+    assert not poisoned.isnan().any()
+    assert torch.equal(poisoned, clean)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,397 @@
+/* One bf16 attention kernel for decode and prefill alike (AVX512-BF16 hosts).
+ *
+ * The rows of a tile share one KV head: decode's `group` query heads of one
+ * token, or prefill's run of prompt tokens times those heads. Row r attends
+ * to keys 0 .. lens[r] - 1 (causal: a prompt token sees itself and what came
+ * before). Keys are read from a transposed copy of the KV head's context, 16
+ * keys per vector as key pairs ([head_dim / 2][keys] of bf16 pairs), built
+ * once per call in prefill and per sequence in decode.
+ *
+ *   scores   key t's lane accumulates vdpbf16ps over head_dim pairs in order
+ *            (from +0), times scale; blocks of 6 rows x 64 keys share every
+ *            load;
+ *   softmax  per row, exact: max over its keys, exp(s - max) rounded to bf16,
+ *            the rounded values summed 16 keys a vector (lane l takes keys
+ *            t = l mod 16 in order) and the lanes added in one fixed tree;
+ *   values   per row, vdpbf16ps of key-pair probabilities with V rows
+ *            interleaved in pairs, in key order, times 1 / sum, rounded to
+ *            bf16 once.
+ *
+ * Every row runs the same instructions on the same values whichever tile,
+ * block or pass it is in: a key past a row's end has probability +0 (and
+ * adding +0 leaves any finite sum unchanged), keys at or past the context's
+ * end are read as zeros. So a prompt token's row is bitwise the row decode
+ * computes for that token, however the prompt is cut into chunks, and on any
+ * thread count.
+ *
+ * Included by paged_decode.c after its AVX-512 helpers. */
+#ifndef BATON_ATTENTION_TILE_H
+#define BATON_ATTENTION_TILE_H
+#if defined(__AVX512BF16__)
+#define HAVE_ATTENTION_TILE 1
+#include <pthread.h>
+
+#define TILE_ROWS 32     /* rows of a prefill tile (whole tokens of a group) */
+#define SCORE_ROWS 6     /* rows of a scores block */
+#define SCORE_VECS 4     /* 16-key vectors of a scores block */
+#define VALUE_ACC 24     /* fp32 accumulator registers of the values pass */
+#define TILE_MAX_DIM 256
+#define KEYS_AHEAD 48    /* keys between a row's prefetch and its load */
+
+typedef int32_t __attribute__((may_alias, aligned(2))) bf16_pair;
+
+INLINE int tile_supports(int64_t d, int64_t block_size) {
+    return d % 32 == 0 && d <= TILE_MAX_DIM && block_size % 2 == 0; /* key pairs */
+}
+
+INLINE int64_t keys_padded(int64_t len) { return (len + 15) / 16 * 16; }
+
+/* Prompt tokens per prefill tile for a KV head's `group` query heads. */
+INLINE int64_t tile_tokens(int64_t group) { return group >= TILE_ROWS ? 1 : TILE_ROWS / group; }
+
+/* Floats of per-thread scratch for `rows` rows over `len` keys: scores, then
+ * bf16 probabilities (a row's width plus one key pair). */
+INLINE int64_t rows_scratch_floats(int64_t rows, int64_t len) {
+    return rows * keys_padded(len) + rows * (keys_padded(len) + 2) / 2;
+}
+
+/* Row length (in pairs) of one KV head's transposed keys: 16 more than the
+ * keys, so that the rows of a power-of-two context do not all fall in one
+ * cache set (the transpose stores to every row at once). */
+INLINE int64_t keys_width(int64_t len) { return keys_padded(len) + 16; }
+
+/* Floats of one KV head's transposed keys. */
+INLINE int64_t keys_scratch_floats(int64_t d, int64_t len) { return (d / 2) * keys_width(len); }
+
+/* This thread's scratch of at least n floats in one of two slots (rows,
+ * keys), kept for its next call: a fresh allocation of this size is mapped
+ * anew each time, and decode would pay its page faults on every layer of
+ * every step. Freed when the thread ends; NULL when memory is short. */
+enum { ROWS_SLOT, KEYS_SLOT, SLOTS };
+typedef struct {
+    float *buf[SLOTS];
+    int64_t cap[SLOTS];
+} ThreadScratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p) {
+    ThreadScratch *ts = p;
+    for (int i = 0; i < SLOTS; i++) free(ts->buf[i]);
+    free(ts);
+}
+static void scratch_key_make(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+static float *thread_scratch(int slot, int64_t n) {
+    pthread_once(&scratch_once, scratch_key_make);
+    ThreadScratch *ts = pthread_getspecific(scratch_key);
+    if (ts == NULL) {
+        ts = calloc(1, sizeof *ts);
+        if (ts == NULL || pthread_setspecific(scratch_key, ts) != 0) {
+            free(ts);
+            return NULL;
+        }
+    }
+    if (n > ts->cap[slot]) {
+        free(ts->buf[slot]);
+        ts->cap[slot] = (n + 1023) / 1024 * 1024;
+        ts->buf[slot] = aligned_alloc(64, sizeof(float) * (size_t)ts->cap[slot]);
+        if (ts->buf[slot] == NULL) ts->cap[slot] = 0;
+    }
+    return ts->buf[slot];
+}
+
+/* The 16 x 16 transpose of 32-bit elements: r[u][i] -> r[i][u]. */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        b[4 * k + 0] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44);
+        __m512i c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE);
+        __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
+        __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
+/* kt[j][t] = pair j of key t for keys [t0, t1) (multiples of 16; zeros at
+ * or past len), kt rows `width` pairs long. */
+INLINE void transpose_keys(const uint16_t *k, const int64_t *table, int64_t len,
+                           int64_t block_size, int64_t block_stride, int64_t tok_stride,
+                           const int64_t d, int32_t *kt, int64_t width, int64_t t0, int64_t t1) {
+    const int whole_blocks = block_size % 16 == 0; /* a 16-key chunk never spans blocks */
+    for (int64_t c = t0; c < t1; c += 16) {
+        const uint16_t *rows[16];
+        if (whole_blocks && c + 16 <= len) {
+            const uint16_t *base = k + table[c / block_size] * block_stride + (c % block_size) * tok_stride;
+            for (int u = 0; u < 16; u++) rows[u] = base + u * tok_stride;
+            /* blocks sit anywhere in the pool, out of the hardware prefetcher's
+             * sight: fetch the chunk KEYS_AHEAD keys on */
+            int64_t ahead = c + KEYS_AHEAD;
+            if (ahead + 16 <= len) {
+                const uint16_t *next =
+                    k + table[ahead / block_size] * block_stride + (ahead % block_size) * tok_stride;
+                for (int u = 0; u < 16; u++)
+                    prefetch_row(next + u * tok_stride, d * (int64_t)sizeof(uint16_t));
+            }
+        } else {
+            for (int u = 0; u < 16; u++) {
+                int64_t t = c + u;
+                rows[u] = t < len ? k + table[t / block_size] * block_stride +
+                                        (t % block_size) * tok_stride
+                                  : NULL;
+            }
+        }
+        for (int64_t jb = 0; jb < d / 32; jb++) {
+            __m512i r[16];
+            for (int u = 0; u < 16; u++)
+                r[u] = rows[u] ? _mm512_loadu_si512(rows[u] + 32 * jb) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (16 * jb + i) * width + c, r[i]);
+        }
+    }
+}
+
+/* s[i][t] = scale * (q_i . k_t) for rows i < nr (q: [nr][d / 2] pairs) and the
+ * 16-key vectors of keys [0, nkeys), nkeys a multiple of 16. */
+#define DEFINE_TILE_SCORES(NAME, NR)                                                             \
+    INLINE void NAME(const int32_t *q, const int32_t *kt, int64_t width, int64_t nkeys,     \
+                     const int64_t d, float scale, float *s, int64_t s_stride) {            \
+        const __m512 vscale = _mm512_set1_ps(scale);                                        \
+        int64_t t = 0;                                                                      \
+        for (; t + 16 * SCORE_VECS <= nkeys; t += 16 * SCORE_VECS) {                        \
+            __m512 a[NR][SCORE_VECS];                                                       \
+            for (int i = 0; i < NR; i++)                                                    \
+                for (int m = 0; m < SCORE_VECS; m++) a[i][m] = _mm512_setzero_ps();         \
+            for (int64_t j = 0; j < d / 2; j++) {                                           \
+                __m512bh kv[SCORE_VECS];                                                    \
+                for (int m = 0; m < SCORE_VECS; m++)                                        \
+                    kv[m] = (__m512bh)_mm512_loadu_si512(kt + j * width + t + 16 * m);      \
+                for (int i = 0; i < NR; i++) {                                              \
+                    __m512bh qb = (__m512bh)_mm512_set1_epi32(q[i * (d / 2) + j]);          \
+                    for (int m = 0; m < SCORE_VECS; m++)                                    \
+                        a[i][m] = _mm512_dpbf16_ps(a[i][m], kv[m], qb);                     \
+                }                                                                           \
+            }                                                                               \
+            for (int i = 0; i < NR; i++)                                                    \
+                for (int m = 0; m < SCORE_VECS; m++)                                        \
+                    _mm512_storeu_ps(s + i * s_stride + t + 16 * m,                         \
+                                     _mm512_mul_ps(a[i][m], vscale));                       \
+        }                                                                                   \
+        for (; t < nkeys; t += 16) { /* the same sums, one vector of keys at a time */      \
+            __m512 a[NR];                                                                   \
+            for (int i = 0; i < NR; i++) a[i] = _mm512_setzero_ps();                        \
+            for (int64_t j = 0; j < d / 2; j++) {                                           \
+                __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + j * width + t);             \
+                for (int i = 0; i < NR; i++)                                                \
+                    a[i] = _mm512_dpbf16_ps(a[i], kv,                                       \
+                                            (__m512bh)_mm512_set1_epi32(q[i * (d / 2) + j])); \
+            }                                                                               \
+            for (int i = 0; i < NR; i++)                                                    \
+                _mm512_storeu_ps(s + i * s_stride + t, _mm512_mul_ps(a[i], vscale));        \
+        }                                                                                   \
+    }
+DEFINE_TILE_SCORES(scores_6, 6)
+DEFINE_TILE_SCORES(scores_3, 3)
+DEFINE_TILE_SCORES(scores_2, 2)
+DEFINE_TILE_SCORES(scores_1, 1)
+
+/* One row's scores (len of them) to bf16 probabilities p (+0 from len to
+ * `width` + 2); returns 1 / the sum of the rounded probabilities. */
+INLINE float row_softmax(const float *s, int64_t len, uint16_t *p, int64_t width) {
+    __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1u);
+    int64_t full = len / 16 * 16;
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < full; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
+    if (tail) vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, s + full));
+    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 live = t < full ? (__mmask16)0xffff : tail;
+        __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mx));
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, e));
+        _mm256_storeu_si256((__m256i *)(p + t), h);
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    for (int64_t t = keys_padded(len); t < width + 2; t++) p[t] = 0;
+    /* lanes added in a fixed tree: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
+    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));
+    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));
+    return 1.f / _mm512_cvtss_f32(acc);
+}
+
+/* Output dims of the values pass come as 4-dim runs alternating between the
+ * two halves of a key pair's unpack; these restore the order. */
+INLINE __m512 dims_low(__m512 lo, __m512 hi) {
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    return _mm512_permutex2var_ps(lo, idx, hi);
+}
+INLINE __m512 dims_high(__m512 lo, __m512 hi) {
+    const __m512i idx =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    return _mm512_permutex2var_ps(lo, idx, hi);
+}
+
+/* out_i = inv[i] * sum over key pairs (t, t + 1), t < len, of vdpbf16ps(p_i
+ * pair, v pair) for rows i < nr (p rows p_stride values apart), rounded to
+ * bf16. A key at len (an odd len's last pair) reads as zero. */
+INLINE void values_pass(const uint16_t *p, int64_t p_stride, const uint16_t *v,
+                        const int64_t *table, int64_t len, int64_t block_size,
+                        int64_t block_stride, int64_t tok_stride, const int64_t d,
+                        const int64_t nr, const float *inv, uint16_t *const *outs) {
+    const int64_t c = d / 16, w = d / 32; /* accumulators per row, 32-value row pieces */
+    __m512 acc[VALUE_ACC];
+    for (int64_t i = 0; i < nr * c; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t start = 0, bi = 0; start < len; start += block_size, bi++) {
+        int64_t n = len - start < block_size ? len - start : block_size;
+        const uint16_t *vb = v + table[bi] * block_stride;
+        const uint16_t *vn = v + block_ahead(table, bi, start, len, block_size) * block_stride;
+        for (int64_t at = 0; at < n; at += 2) {
+            prefetch_row(vn + at * tok_stride, d * (int64_t)sizeof(uint16_t));
+            prefetch_row(vn + (at + 1) * tok_stride, d * (int64_t)sizeof(uint16_t));
+            __mmask32 second = at + 1 < n ? (__mmask32)~0u : 0;
+            __m512i vp[TILE_MAX_DIM / 16];
+            for (int64_t j = 0; j < w; j++) {
+                __m512i a = _mm512_loadu_si512(vb + at * tok_stride + 32 * j);
+                __m512i b = _mm512_maskz_loadu_epi16(second, vb + (at + 1) * tok_stride + 32 * j);
+                vp[2 * j] = _mm512_unpacklo_epi16(a, b);
+                vp[2 * j + 1] = _mm512_unpackhi_epi16(a, b);
+            }
+            const uint16_t *pt = p + start + at;
+            for (int64_t i = 0; i < nr; i++) {
+                int32_t pair;
+                memcpy(&pair, pt + i * p_stride, sizeof pair);
+                __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int64_t j = 0; j < c; j++)
+                    acc[i * c + j] = _mm512_dpbf16_ps(acc[i * c + j], (__m512bh)vp[j], pb);
+            }
+        }
+    }
+    /* unrolled whole, so that no accumulator is indexed at run time (GCC would
+     * then keep the array in memory and store it on every key pair) */
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < nr; i++) {
+        __m512 scale = _mm512_set1_ps(inv[i]);
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < w; j++) {
+            __m512 lo = acc[i * c + 2 * j], hi = acc[i * c + 2 * j + 1];
+            vstore_bf16(outs[i] + 32 * j, _mm512_mul_ps(dims_low(lo, hi), scale));
+            vstore_bf16(outs[i] + 32 * j + 16, _mm512_mul_ps(dims_high(lo, hi), scale));
+        }
+    }
+}
+
+/* The values pass for the common shapes, each compiled alone (inlined into the
+ * tile, GCC stored the accumulators to memory on every key pair). */
+#define VALUES_PARAMS                                                                       \
+    const uint16_t *p, int64_t p_stride, const uint16_t *v, const int64_t *table,          \
+        int64_t len, int64_t block_size, int64_t block_stride, int64_t tok_stride,         \
+        const float *inv, uint16_t *const *outs
+#define VALUES_ARGS pp, p_stride, v, table, end, block_size, block_stride, tok_stride, iv, outs
+#define DEFINE_VALUES_SHAPE(NAME, D, NP)                                                    \
+    __attribute__((noinline)) static void NAME(VALUES_PARAMS) {                              \
+        values_pass(p, p_stride, v, table, len, block_size, block_stride, tok_stride, D, NP, \
+                    inv, outs);                                                             \
+    }
+DEFINE_VALUES_SHAPE(values_64_6, 64, 6)
+DEFINE_VALUES_SHAPE(values_64_3, 64, 3)
+DEFINE_VALUES_SHAPE(values_128_3, 128, 3)
+__attribute__((noinline)) static void values_any(const uint16_t *p, int64_t p_stride,
+                                                 const uint16_t *v, const int64_t *table,
+                                                 int64_t len, int64_t block_size,
+                                                 int64_t block_stride, int64_t tok_stride,
+                                                 int64_t d, int64_t np, const float *inv,
+                                                 uint16_t *const *outs) {
+    values_pass(p, p_stride, v, table, len, block_size, block_stride, tok_stride, d, np, inv,
+                outs);
+}
+
+/* A tile: `ntok` tokens (q rows q_tok_stride apart) times `group` query heads
+ * (d apart); token tt's rows attend to keys 0 .. len0 + tt - 1, read through
+ * kt (transposed keys, rows `width` pairs long) and v via the table. */
+INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int64_t group,
+                      const int32_t *kt, int64_t width, const uint16_t *v, uint16_t *out,
+                      const int64_t *table, int64_t len0, int64_t block_size,
+                      int64_t block_stride, int64_t tok_stride, const int64_t d, float scale,
+                      float *scratch) {
+    const int64_t rows = ntok * group, len = len0 + ntok - 1, pad = keys_padded(len);
+    float *s = scratch;                               /* [rows][pad] scores */
+    uint16_t *p = (uint16_t *)(s + rows * pad);       /* [rows][pad + 2] probabilities */
+    const int64_t p_stride = pad + 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+        int64_t nr = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
+        int32_t qrows[SCORE_ROWS * TILE_MAX_DIM / 2];
+        for (int64_t i = 0; i < nr; i++) {
+            int64_t r = r0 + i;
+            const bf16_pair *qr = (const bf16_pair *)(q + (r / group) * q_tok_stride + (r % group) * d);
+            for (int64_t j = 0; j < d / 2; j++) qrows[i * (d / 2) + j] = qr[j];
+        }
+        float *sr = s + r0 * pad;
+        switch (nr) {
+        case 6: scores_6(qrows, kt, width, pad, d, scale, sr, pad); break;
+        case 3: scores_3(qrows, kt, width, pad, d, scale, sr, pad); break;
+        case 2: scores_2(qrows, kt, width, pad, d, scale, sr, pad); break;
+        default:
+            for (int64_t i = 0; i < nr; i++)
+                scores_1(qrows + i * (d / 2), kt, width, pad, d, scale, sr + i * pad, pad);
+        }
+        float inv[SCORE_ROWS];
+        for (int64_t i = 0; i < nr; i++) {
+            int64_t r = r0 + i;
+            inv[i] = row_softmax(sr + i * pad, len0 + r / group, p + r * p_stride, pad);
+        }
+        /* values for this block's rows, in passes of what the registers hold */
+        const int64_t per_pass = VALUE_ACC / (d / 16);
+        for (int64_t a = 0; a < nr; a += per_pass) {
+            int64_t np = nr - a < per_pass ? nr - a : per_pass, first = r0 + a;
+            uint16_t *outs[SCORE_ROWS];
+            for (int64_t i = 0; i < np; i++) {
+                int64_t r = first + i;
+                outs[i] = out + (r / group) * q_tok_stride + (r % group) * d;
+            }
+            int64_t end = len0 + (first + np - 1) / group; /* the pass's longest row */
+            const uint16_t *pp = p + first * p_stride;
+            const float *iv = inv + a;
+            if (d == 64 && np == 6) values_64_6(VALUES_ARGS);
+            else if (d == 64 && np == 3) values_64_3(VALUES_ARGS);
+            else if (d == 128 && np == 3) values_128_3(VALUES_ARGS);
+            else values_any(pp, p_stride, v, table, end, block_size, block_stride, tok_stride, d,
+                            np, iv, outs);
+        }
+    }
+}
+
+/* noinline: decode and prefill run this one compiled copy. */
+__attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok_stride,
+                                                int64_t ntok, int64_t group, const int32_t *kt,
+                                                int64_t width, const uint16_t *v, uint16_t *out,
+                                                const int64_t *table, int64_t len0,
+                                                int64_t block_size, int64_t block_stride,
+                                                int64_t tok_stride, int64_t d, float scale,
+                                                float *scratch) {
+#define BODY(D)                                                                             \
+    tile_body(q, q_tok_stride, ntok, group, kt, width, v, out, table, len0, block_size,      \
+              block_stride, tok_stride, D, scale, scratch)
+    if (d == 64) BODY(64);
+    else if (d == 128) BODY(128);
+    else BODY(d);
+#undef BODY
+}
+
+#endif
+#endif
