@@ -70,6 +70,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--output-tokens", type=int, default=2,
+        help="tokens each served request generates (peers.py's workloads: 128)",
+    )  # fmt: skip
     ap.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -113,7 +117,7 @@ def main() -> None:
                 before = prefill_figures(prefill)
                 for _ in range(args.repeats):
                     prompt = [rng.randrange(100, 49000) for _ in range(length)]
-                    served.append(client.run(prompt, 2).ttft)
+                    served.append(client.run(prompt, args.output_tokens).ttft)
                     prompt = [rng.randrange(100, 49000) for _ in range(length)]
                     local_ttft.append(in_process_ttft(engine, prompt))
                 after = prefill_figures(prefill)
