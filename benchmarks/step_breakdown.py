@@ -51,9 +51,13 @@ class Clock:
 class TimedLinear(Linear):
     def __init__(self, inner: Linear, clock: Clock):
         self.inner, self.clock, self.name = inner, clock, inner.name
+        self.reads_rows = inner.reads_rows
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         return self.inner.pack(weight)
+
+    def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.rows(packed, ids)  # a tied embedding's lookup: not a GEMM
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         out: torch.Tensor = self.clock.timed("gemm", self.inner, x, packed)

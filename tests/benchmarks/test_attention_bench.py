@@ -28,3 +28,24 @@ def test_both_sides_compute_the_same_attention(new: int, context: int) -> None:
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+@needs_cc
+def test_decode_inputs_are_what_the_kernel_and_the_gathered_context_agree_on() -> None:
+    """The decode cases: every sequence's table covers its context, blocks distinct."""
+    from benchmarks.attention_bench import make_decode_inputs
+    from shared.kernels.paged_decode import PagedDecodeKernel
+
+    q, k_pool, v_pool, batch = make_decode_inputs(3, 40, torch.float32)
+    used = batch.tables[:, :3].flatten()
+    assert len(set(used.tolist())) == used.numel()
+    kernel = PagedDecodeKernel.build(default_cache_dir() / "kernels")
+    out = torch.empty_like(q)
+    kernel(q, k_pool, v_pool, batch.tables, batch.lens, HEAD_DIM**-0.5, out)
+    keys = k_pool[batch.tables[0, :3]].reshape(-1, 3, HEAD_DIM)[:40].transpose(0, 1)
+    values = v_pool[batch.tables[0, :3]].reshape(-1, 3, HEAD_DIM)[:40].transpose(0, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[0][:, None], keys.repeat_interleave(3, 0), values.repeat_interleave(3, 0),
+        scale=HEAD_DIM**-0.5,
+    )[:, 0]  # fmt: skip
+    torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
