@@ -51,8 +51,8 @@ INLINE int64_t tile_tokens(int64_t group) { return group >= TILE_ROWS ? 1 : TILE
 
 /* Floats of per-thread scratch for `rows` rows over `len` keys: scores, then
  * bf16 probabilities (a row's width plus one key pair). */
-INLINE int64_t rows_scratch_floats(int64_t rows, int64_t len) {
-    return rows * keys_padded(len) + rows * (keys_padded(len) + 2) / 2;
+INLINE int64_t rows_scratch_floats(int64_t rows, int64_t len, int64_t d) {
+    return rows * keys_padded(len) + rows * (keys_padded(len) + 2) / 2 + rows * d / 2;
 }
 
 /* Row length (in pairs) of one KV head's transposed keys: 16 more than the
@@ -127,11 +127,12 @@ INLINE void transpose16(__m512i r[16]) {
     }
 }
 
-/* kt[j][t] = pair j of key t for keys [t0, t1) (multiples of 16; zeros at
- * or past len), kt rows `width` pairs long. */
+/* kt[j][t - t0 + col] = pair j of key t for keys [t0, t1) (multiples of 16;
+ * zeros at or past len), kt rows `width` pairs long. */
 INLINE void transpose_keys(const uint16_t *k, const int64_t *table, int64_t len,
                            int64_t block_size, int64_t block_stride, int64_t tok_stride,
-                           const int64_t d, int32_t *kt, int64_t width, int64_t t0, int64_t t1) {
+                           const int64_t d, int32_t *kt, int64_t width, int64_t t0, int64_t t1,
+                           int64_t col) {
     const int whole_blocks = block_size % 16 == 0; /* a 16-key chunk never spans blocks */
     for (int64_t c = t0; c < t1; c += 16) {
         const uint16_t *rows[16];
@@ -160,7 +161,8 @@ INLINE void transpose_keys(const uint16_t *k, const int64_t *table, int64_t len,
             for (int u = 0; u < 16; u++)
                 r[u] = rows[u] ? _mm512_loadu_si512(rows[u] + 32 * jb) : _mm512_setzero_si512();
             transpose16(r);
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (16 * jb + i) * width + c, r[i]);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512(kt + (16 * jb + i) * width + c - t0 + col, r[i]);
         }
     }
 }
@@ -321,35 +323,61 @@ __attribute__((noinline)) static void values_any(const uint16_t *p, int64_t p_st
                 outs);
 }
 
+/* Scores of rows r0 .. r0 + nr (q: their pairs) over 16-key vectors [0, nkeys). */
+INLINE void scores_rows(const int32_t *q, int64_t nr, const int32_t *kt, int64_t width,
+                        int64_t nkeys, const int64_t d, float scale, float *s, int64_t s_stride) {
+    switch (nr) {
+    case 6: scores_6(q, kt, width, nkeys, d, scale, s, s_stride); break;
+    case 3: scores_3(q, kt, width, nkeys, d, scale, s, s_stride); break;
+    case 2: scores_2(q, kt, width, nkeys, d, scale, s, s_stride); break;
+    default:
+        for (int64_t i = 0; i < nr; i++)
+            scores_1(q + i * (d / 2), kt, width, nkeys, d, scale, s + i * s_stride, s_stride);
+    }
+}
+
 /* A tile: `ntok` tokens (q rows q_tok_stride apart) times `group` query heads
  * (d apart); token tt's rows attend to keys 0 .. len0 + tt - 1, read through
- * kt (transposed keys, rows `width` pairs long) and v via the table. */
+ * kt (transposed keys, rows `width` pairs long) or, where kt is NULL (decode),
+ * transposed here 64 keys at a time into a buffer that stays in L1; v via the
+ * table. */
 INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int64_t group,
-                      const int32_t *kt, int64_t width, const uint16_t *v, uint16_t *out,
-                      const int64_t *table, int64_t len0, int64_t block_size,
+                      const int32_t *kt, int64_t width, const uint16_t *k, const uint16_t *v,
+                      uint16_t *out, const int64_t *table, int64_t len0, int64_t block_size,
                       int64_t block_stride, int64_t tok_stride, const int64_t d, float scale,
                       float *scratch) {
     const int64_t rows = ntok * group, len = len0 + ntok - 1, pad = keys_padded(len);
     float *s = scratch;                               /* [rows][pad] scores */
     uint16_t *p = (uint16_t *)(s + rows * pad);       /* [rows][pad + 2] probabilities */
     const int64_t p_stride = pad + 2;
+    int32_t *qs = (int32_t *)(p + rows * p_stride);   /* [rows][d / 2] query pairs */
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16_pair *qr = (const bf16_pair *)(q + (r / group) * q_tok_stride + (r % group) * d);
+        for (int64_t j = 0; j < d / 2; j++) qs[r * (d / 2) + j] = qr[j];
+    }
+    if (kt != NULL) {
+        for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+            int64_t nr = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
+            scores_rows(qs + r0 * (d / 2), nr, kt, width, pad, d, scale, s + r0 * pad, pad);
+        }
+    } else {
+        /* a scores block's keys at a time: its independent sums hide vdpbf16ps's latency */
+        enum { CHUNK = 16 * SCORE_VECS };
+        int32_t chunk[(TILE_MAX_DIM / 2) * CHUNK] __attribute__((aligned(64)));
+        for (int64_t c = 0; c < pad; c += CHUNK) {
+            int64_t nk = pad - c < CHUNK ? pad - c : CHUNK;
+            transpose_keys(k, table, len, block_size, block_stride, tok_stride, d, chunk, CHUNK,
+                           c, c + nk, 0);
+            for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+                int64_t nr = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
+                scores_rows(qs + r0 * (d / 2), nr, chunk, CHUNK, nk, d, scale, s + r0 * pad + c,
+                            pad);
+            }
+        }
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
         int64_t nr = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
-        int32_t qrows[SCORE_ROWS * TILE_MAX_DIM / 2];
-        for (int64_t i = 0; i < nr; i++) {
-            int64_t r = r0 + i;
-            const bf16_pair *qr = (const bf16_pair *)(q + (r / group) * q_tok_stride + (r % group) * d);
-            for (int64_t j = 0; j < d / 2; j++) qrows[i * (d / 2) + j] = qr[j];
-        }
         float *sr = s + r0 * pad;
-        switch (nr) {
-        case 6: scores_6(qrows, kt, width, pad, d, scale, sr, pad); break;
-        case 3: scores_3(qrows, kt, width, pad, d, scale, sr, pad); break;
-        case 2: scores_2(qrows, kt, width, pad, d, scale, sr, pad); break;
-        default:
-            for (int64_t i = 0; i < nr; i++)
-                scores_1(qrows + i * (d / 2), kt, width, pad, d, scale, sr + i * pad, pad);
-        }
         float inv[SCORE_ROWS];
         for (int64_t i = 0; i < nr; i++) {
             int64_t r = r0 + i;
@@ -379,13 +407,14 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
 /* noinline: decode and prefill run this one compiled copy. */
 __attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok_stride,
                                                 int64_t ntok, int64_t group, const int32_t *kt,
-                                                int64_t width, const uint16_t *v, uint16_t *out,
+                                                int64_t width, const uint16_t *k,
+                                                const uint16_t *v, uint16_t *out,
                                                 const int64_t *table, int64_t len0,
                                                 int64_t block_size, int64_t block_stride,
                                                 int64_t tok_stride, int64_t d, float scale,
                                                 float *scratch) {
 #define BODY(D)                                                                             \
-    tile_body(q, q_tok_stride, ntok, group, kt, width, v, out, table, len0, block_size,      \
+    tile_body(q, q_tok_stride, ntok, group, kt, width, k, v, out, table, len0, block_size,   \
               block_stride, tok_stride, D, scale, scratch)
     if (d == 64) BODY(64);
     else if (d == 128) BODY(128);

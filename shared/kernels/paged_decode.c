@@ -343,7 +343,7 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
         return decode_bf16_untiled(q, k, v, out, tables, lens, batch, width, heads, kv_heads, d,
                                    block_size, block_stride, scale, threads);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, most = width * block_size;
-    int64_t per_thread = keys_scratch_floats(d, most) + rows_scratch_floats(group, most);
+    int64_t per_thread = rows_scratch_floats(group, most, d);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|: failed)
     {
@@ -353,13 +353,10 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
         for (int64_t b = 0; b < batch; b++)
             for (int64_t h = 0; h < kv_heads; h++) {
                 if (scratch == NULL || lens[b] <= 0) continue;
-                int64_t off = (b * heads + h * group) * d, kw = keys_width(lens[b]);
-                int32_t *kt = (int32_t *)scratch;
-                transpose_keys(k + h * d, tables + b * width, lens[b], block_size, block_stride,
-                               tok_stride, d, kt, kw, 0, keys_padded(lens[b]));
-                tile_bf16(q + off, heads * d, 1, group, kt, kw, v + h * d, out + off,
-                          tables + b * width, lens[b], block_size, block_stride, tok_stride, d,
-                          scale, scratch + keys_scratch_floats(d, lens[b]));
+                int64_t off = (b * heads + h * group) * d;
+                tile_bf16(q + off, heads * d, 1, group, NULL, 0, k + h * d, v + h * d,
+                          out + off, tables + b * width, lens[b], block_size, block_stride,
+                          tok_stride, d, scale, scratch);
             }
     }
     return failed ? 2 : 0;
@@ -424,7 +421,7 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
     /* the caller's thread keeps the keys' buffer; the team's threads their own */
     int32_t *kt = (int32_t *)thread_scratch(KEYS_SLOT, kv_heads * head_keys);
     if (kt == NULL) return 2;
-    int64_t per_thread = rows_scratch_floats(per * group, context_len);
+    int64_t per_thread = rows_scratch_floats(per * group, context_len, d);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|: failed)
     {
@@ -433,7 +430,7 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
             for (int64_t c = 0; c < pad; c += 256)
                 transpose_keys(k + h * d, table, context_len, block_size, block_stride,
                                tok_stride, d, kt + h * head_keys, kw, c,
-                               c + 256 < pad ? c + 256 : pad);
+                               c + 256 < pad ? c + 256 : pad, c);
         float *scratch = thread_scratch(ROWS_SLOT, per_thread);
         failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -442,7 +439,8 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
                 if (scratch == NULL) continue;
                 int64_t t0 = i * per, nt = n - t0 < per ? n - t0 : per;
                 int64_t off = (t0 * heads + h * group) * d;
-                tile_bf16(q + off, heads * d, nt, group, kt + h * head_keys, kw, v + h * d,
+                tile_bf16(q + off, heads * d, nt, group, kt + h * head_keys, kw, k + h * d,
+                          v + h * d,
                           out + off, table, prefix + t0 + 1, block_size, block_stride,
                           tok_stride, d, scale, scratch);
             }
