@@ -71,6 +71,9 @@ class SchedulerConfig:
     # cap on one request's prompt chunk per step (0: none, the budget is the cap)
     long_prefill_token_threshold: int = 0
     preemption_mode: PreemptionSetting = "auto"
+    # one prompt per step, the one with the fewest tokens left (a prefill instance's
+    # policy: prompts sharing steps all get their first token when the last ends)
+    shortest_prompt_first: bool = False
 
 
 @dataclass(frozen=True)

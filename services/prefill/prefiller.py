@@ -99,14 +99,15 @@ class Prefiller(Worker):
         return 0 < threads < len(os.sched_getaffinity(0))
 
     def engine_config(self) -> EngineConfig:
-        """Prompt chunks capped at :data:`PREFILL_CHUNK_TOKENS` unless
-        ``BATON_LONG_PREFILL_TOKEN_THRESHOLD`` says otherwise: a long prompt then
-        no longer holds the short prompts queued behind it (their TTFT) for its
-        whole prefill, nor releases them to decode in one burst."""
+        """One prompt per step, the shortest first (its TTFT is its own compute, not that
+        of every prompt sharing the steps), in chunks capped at
+        :data:`PREFILL_CHUNK_TOKENS` unless ``BATON_LONG_PREFILL_TOKEN_THRESHOLD`` says
+        otherwise: a long prompt then no longer holds the short prompts queued behind
+        it (their TTFT) for its whole prefill, nor releases them to decode in one burst."""
         config = self.baton.engine_config()
-        if "long_prefill_token_threshold" in self.baton.model_fields_set:
-            return config
-        scheduler = replace(config.scheduler, long_prefill_token_threshold=PREFILL_CHUNK_TOKENS)
+        scheduler = replace(config.scheduler, shortest_prompt_first=True)
+        if "long_prefill_token_threshold" not in self.baton.model_fields_set:
+            scheduler = replace(scheduler, long_prefill_token_threshold=PREFILL_CHUNK_TOKENS)
         return replace(config, scheduler=scheduler)
 
     def load(self) -> dict[str, float]:

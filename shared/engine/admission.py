@@ -109,10 +109,12 @@ class Admission:
         the engine takes :data:`ALONE_CHUNK_FACTOR` times that: nothing waits behind
         it, and each chunk boundary costs a lone prompt time (a 512-token prompt
         took 203 ms in two chunks against 173-187 ms in one, bf16, 2 AMD EPYC cores);
-        one arriving meanwhile waits for at most that larger chunk."""
+        one arriving meanwhile waits for at most that larger chunk. So does every
+        prompt under ``shortest_prompt_first``, where each step computes one."""
         cap = self.config.long_prefill_token_threshold
         if cap and self.config.enable_chunked_prefill:
-            if len(self.queues.requests) <= 1:
+            # one prompt per step: it computes alone whatever waits
+            if len(self.queues.requests) <= 1 or self.config.shortest_prompt_first:
                 cap *= ALONE_CHUNK_FACTOR
             remaining = min(remaining, cap)
         return remaining if budget is None else min(remaining, budget)

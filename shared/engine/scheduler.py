@@ -105,6 +105,8 @@ class Scheduler:
     # -- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.config.shortest_prompt_first:
+            return self._schedule_shortest_prompt(budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestId] = []
         running = self.queues.running
@@ -122,6 +124,29 @@ class Scheduler:
             self._admit(budget, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.preemption.take_plan())
 
+    def _schedule_shortest_prompt(self, budget: int) -> SchedulerOutput:
+        """A prefill instance's step: one prompt, the one with the fewest tokens left
+        among the running and the queue's head (shortest remaining first). Prompts that
+        share steps all get their first token when the last of them ends; computed one
+        at a time, each gets it when its own compute ends (8 prompts of 512 tokens at
+        once: the first after an eighth of the time, the median after half). A prompt
+        arriving behind a long one waits for at most one of its chunks."""
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[RequestId] = []
+        running = self.queues.running
+        best = min(running, key=_tokens_left, default=None)
+        waiting = self.queues.waiting
+        shorter = bool(waiting) and (best is None or _tokens_left(waiting[0]) < _tokens_left(best))
+        if shorter or self.queues.idle_holders():
+            self._admit(budget, scheduled, limit=1)
+        if not scheduled and best is not None:
+            num_new = self.admission.chunk(_tokens_left(best), budget)
+            if self._make_room(best, best.num_computed_tokens + num_new, preempted):
+                scheduled.append(ScheduledRequest(best, num_new))
+            else:
+                preempted.append(self._preempt(running.pop()))  # best itself
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), self.preemption.take_plan())
+
     def _make_room(self, req: Request, end: int, preempted: list[RequestId]) -> bool:
         """Grow running ``req`` to ``end`` tokens. Slots come first from requests holding
         them idle in the queue (loaded KV, the cheapest to give up), then from the latest
@@ -136,11 +161,16 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _admit(
+        self, budget: int, scheduled: list[ScheduledRequest], limit: int | None = None
+    ) -> None:
+        """Start queued requests while the budget allows (at most ``limit`` computing)."""
         # holding slots (their KV was loaded asynchronously), they only need to grow: they
         # go first, so a request that waits for slots never holds up those that have them
         stuck: list[Request] = []
         for req in self.queues.idle_holders():
+            if limit is not None and len(scheduled) >= limit:
+                return
             taken = self.admission.continue_held(req, budget)
             if taken is None:
                 stuck.append(req)
@@ -155,6 +185,8 @@ class Scheduler:
         computing = self._blocks_being_computed()
         deferred: list[Request] = []
         while waiting and len(self.queues.running) < self.config.max_num_seqs:
+            if limit is not None and len(scheduled) >= limit:
+                break
             req = waiting[0]
             fresh = req.swapped is None
             if fresh and self.kv.waits_for_computing(req, computing):
@@ -280,3 +312,7 @@ class Scheduler:
         else:
             self.kv.free(req)
         return req
+
+
+def _tokens_left(req: Request) -> int:
+    return req.num_tokens - req.num_computed_tokens

@@ -30,6 +30,7 @@ def make(
     connector: FakeConnector | None = None,
     swapper: Swapper | None = None,
     caching: bool = True,
+    shortest_first: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -37,6 +38,7 @@ def make(
             max_num_seqs=max_seqs,
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=chunk_cap,
+            shortest_prompt_first=shortest_first,
         ),
         KVCacheManager(
             num_blocks,

@@ -199,6 +199,45 @@ def test_a_prompt_alone_takes_larger_chunks_until_another_arrives() -> None:
     assert_idle(s)
 
 
+def test_shortest_first_computes_one_prompt_per_step_in_turn() -> None:
+    """A prefill instance's policy: prompts that arrive together get their first tokens
+    one after another (the first after its own compute), not all at the end."""
+    s = make(budget=256, chunk_cap=16, shortest_first=True)
+    prompts = [req(30, max_tokens=1, first=10 * (i + 1)) for i in range(3)]
+    for p in prompts:
+        s.add(p)
+    firsts = []
+    step = 0
+    while s.has_unfinished():
+        out = run_step(s)
+        step += 1
+        assert len(out.scheduled) <= 1
+        firsts += [(x.request, step) for x in out.scheduled if x.request.output_token_ids]
+    # each alone in its step: whole (30 <= 16 x ALONE_CHUNK_FACTOR), in arrival order
+    assert firsts == [(prompts[0], 1), (prompts[1], 2), (prompts[2], 3)]
+    assert_idle(s)
+
+
+def test_shortest_first_lets_a_short_prompt_past_a_long_one() -> None:
+    """A short prompt arriving while a long one is computed goes next; the long one
+    goes on after it, from where it was."""
+    s = make(budget=256, chunk_cap=8, shortest_first=True)
+    long = req(100, max_tokens=1)
+    s.add(long)
+    assert [(x.request, x.num_new_tokens) for x in run_step(s).scheduled] == [(long, 32)]
+    short = req(5, max_tokens=1, first=60)
+    s.add(short)
+    assert [(x.request, x.num_new_tokens) for x in run_step(s).scheduled] == [(short, 5)]
+    assert short.output_token_ids == [100] and not long.output_token_ids
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 32)]
+    assert long.num_computed_tokens == 64
+    while s.has_unfinished():
+        run_step(s)
+    assert long.output_token_ids == [100]
+    assert_idle(s)
+
+
 def test_chunk_cap_needs_chunked_prefill() -> None:
     s = make(budget=64, chunk_cap=16, chunked=False)
     long = req(40)
