@@ -3,9 +3,10 @@
  * The rows of a tile share one KV head: decode's `group` query heads of one
  * token, or prefill's run of prompt tokens times those heads. Row r attends
  * to keys 0 .. lens[r] - 1 (causal: a prompt token sees itself and what came
- * before). Keys are read from a transposed copy of the KV head's context, 16
- * keys per vector as key pairs ([head_dim / 2][keys] of bf16 pairs), built
- * once per call in prefill and per sequence in decode.
+ * before). Keys are read transposed, 16 keys per vector as key pairs
+ * ([head_dim / 2][keys] of bf16 pairs): prefill transposes the KV head's
+ * context once per call for all its tiles, decode 64 keys at a time into a
+ * buffer that stays in L1.
  *
  *   scores   key t's lane accumulates vdpbf16ps over head_dim pairs in order
  *            (from +0), times scale; blocks of 6 rows x 64 keys share every
