@@ -496,16 +496,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
+    from shared.cluster import redis_client
     from shared.cluster.keys import Keys
     from shared.cluster.slo import read as read_slo
     from shared.cluster.status import cluster_members, render
 
     settings = BatonSettings()
     url = args.redis_url or settings.redis_url
-    redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = redis_client.connect(url)
     try:
         while True:
             keys = Keys(args.prefix or settings.redis_prefix)

@@ -17,7 +17,6 @@ import uuid
 from typing import Any, TypeVar
 
 import httpx
-import redis.asyncio as aioredis
 from fastapi import Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -33,6 +32,7 @@ from services.gateway.responses_api import ResponsesRequest
 from services.gateway.resumable import Resumables
 from services.gateway.router import Router
 from services.gateway.settings import GatewaySettings
+from shared.cluster import redis_client
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.event_log import EventLog
@@ -70,9 +70,7 @@ class Gateway:
         self.settings = settings
         self.model = model
         cluster = baton.cluster_config()
-        self.redis = aioredis.from_url(
-            cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
-        )
+        self.redis = redis_client.connect(cluster.redis_url)
         self.keys = keys = Keys(cluster.redis_prefix)
         index = BlockIndex(self.redis, keys, cluster.index_ttl_s)
         self.router = Router(

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -20,6 +19,7 @@ from services.kvstore.dataplane import DataPlane
 from services.kvstore.metrics import StoreMetrics
 from services.kvstore.settings import KVStoreSettings
 from services.kvstore.store import BlockStore
+from shared.cluster import redis_client
 from shared.cluster.auth import AuthMetrics, ClusterSecret
 from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
@@ -38,9 +38,7 @@ class KVStoreNode:
         self.settings = settings
         self.cluster = cluster
         self.metrics = StoreMetrics()
-        self.redis = aioredis.from_url(
-            cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
-        )
+        self.redis = redis_client.connect(cluster.redis_url)
         self.keys = Keys(cluster.redis_prefix)
         index = BlockIndex(self.redis, self.keys, cluster.index_ttl_s)
         self.publisher = IndexPublisher(index, settings.instance_id)

@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any
 
-import redis.asyncio as aioredis
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from shared.cluster import redis_client
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex, IndexPublisher
 from shared.cluster.keys import Keys
@@ -71,9 +71,7 @@ class Worker:
         self.cluster = baton.cluster_config()
         self.instance_id = settings.resolved_id(self.role)
         self.metrics = WorkerMetrics(self.role)
-        self.redis = aioredis.from_url(
-            self.cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
-        )
+        self.redis = redis_client.connect(self.cluster.redis_url)
         self.keys = Keys(self.cluster.redis_prefix)
         self.kv = KVStoreClient(
             make_transport(self.cluster.transport),
