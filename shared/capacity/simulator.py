@@ -6,11 +6,12 @@ measured step times; this is that simulation for Baton, fed by a
 
 What is modelled, per instance:
 
-- **Prefill** instances take requests first come, first served (the router sends
-  each to the one with the fewest queued tokens) and batch them into steps of at
-  most ``max_batched_tokens`` prompt tokens, chunking a longer prompt. A step
-  lasts the sum of its chunks' costs (a chunk of tokens ``[a, b)`` of a prompt
-  costs the profile's prefill time for ``b`` tokens less that for ``a``), plus the time to load the
+- **Prefill** instances (the router sends each request to the one with the
+  fewest queued tokens) compute one prompt per step, the one with the fewest
+  tokens left, as the prefill role's scheduler does (``shortest_prompt_first``),
+  in chunks of at most ``max_batched_tokens``. A step lasts its chunk's cost (a
+  chunk of tokens ``[a, b)`` of a prompt costs the profile's prefill time for
+  ``b`` tokens less that for ``a``), plus the time to load the
   prompt blocks the KV store already holds (prefix-hash workloads: the blocks
   of a prompt's leading ids prefilled before, by any instance, are loaded, not
   computed; the last prompt token is always computed). A
@@ -250,23 +251,16 @@ def simulate(
     def start_prefill(inst: _Instance) -> None:
         if inst.busy or not inst.queue:
             return
-        budget, compute_s, load, batch = deployment.max_batched_tokens, 0.0, 0, []
-        ending = 0  # prompts whose last chunk this is
-        for req in inst.queue:
-            if budget <= 0:
-                break
-            take = min(req.to_compute, budget)
-            batch.append((req, take))
-            ending += take == req.to_compute
-            budget -= take
-            # a chunk costs what its tokens add along its own prompt's curve (attention
-            # to the tokens before it included); prompts batched together do not attend
-            # to each other, so a batch costs the sum of its prompts' chunks
-            start = req.spec.input_len - req.to_compute
-            compute_s += profile.prefill_seconds(start + take, inst.threads)
-            compute_s -= profile.prefill_seconds(start, inst.threads)
-            load += req.load_bytes
-            req.load_bytes = 0
+        # one prompt, the fewest tokens left first (the earliest among equals)
+        req = min(inst.queue, key=lambda r: r.to_compute)
+        take = min(req.to_compute, deployment.max_batched_tokens)
+        batch = [(req, take)]
+        # a chunk costs what its tokens add along its own prompt's curve (attention to
+        # the tokens before it included)
+        start = req.spec.input_len - req.to_compute
+        compute_s = profile.prefill_seconds(start + take, inst.threads)
+        compute_s -= profile.prefill_seconds(start, inst.threads)
+        load, req.load_bytes = req.load_bytes, 0
         seconds = compute_s + load / profile.transfer_bytes_s
         inst.begin_step(clock.now, seconds)
         cpu.start(inst.threads, seconds, lambda: end_prefill(inst, batch))
