@@ -35,6 +35,10 @@ from shared.config import CacheConfig, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 
+# between one side's request and the other's: OpenMP's workers spin for a while after
+# a step (~10 ms of a core here), which the other side's request would otherwise pay
+SETTLE_S = 0.1
+
 
 def in_process_ttft(engine: Engine, prompt: list[int]) -> float:
     t0 = time.perf_counter()
@@ -118,8 +122,10 @@ def main() -> None:
                 for _ in range(args.repeats):
                     prompt = [rng.randrange(100, 49000) for _ in range(length)]
                     served.append(client.run(prompt, args.output_tokens).ttft)
+                    time.sleep(SETTLE_S)
                     prompt = [rng.randrange(100, 49000) for _ in range(length)]
                     local_ttft.append(in_process_ttft(engine, prompt))
+                    time.sleep(SETTLE_S)
                 after = prefill_figures(prefill)
                 spent = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / args.repeats for k in after}
                 row = {

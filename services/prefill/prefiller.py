@@ -128,7 +128,8 @@ class Prefiller(Worker):
             cache_salt=body.cache_salt,
         )
         whole = req.num_prompt_tokens < self.settings.layerwise_min_tokens
-        plan = await self.connector.plan_prefill(req, whole_blocks=whole)
+        # the first token leaves before the step's staged KV: it is what the client waits for
+        plan = await self.connector.plan_prefill(req, whole_blocks=whole, hold_staged=True)
         self.in_flight[rid] = req
         outputs = self.loop.subscribe(rid)
         added = sampled = False
@@ -159,6 +160,7 @@ class Prefiller(Worker):
                 cached_from_store=out.cache_hit.external_tokens,
             )
             if plan.put_job is not None:
+                plan.put_job.send_staged.set()
                 await asyncio.shield(plan.put_job.committed)
             exposed = time.perf_counter() - first_at
             self.prefill_metrics.exposed_s.observe(exposed)
@@ -175,6 +177,8 @@ class Prefiller(Worker):
             )
             yield Committed(exposed_transfer_s=exposed)
         finally:
+            if plan.put_job is not None:
+                plan.put_job.send_staged.set()
             self.loop.unsubscribe(rid)
             self.in_flight.pop(rid, None)
             if not added:

@@ -8,10 +8,11 @@ while the tokens are. A fixed thread count leaves that core unused. A
 within ``[min_threads, max_threads]``, from the threads of other processes it
 sees running on this process's CPUs (``/proc/stat`` less this process's own):
 
-- a step after an idle spell (a lone prompt arriving) starts on every allowed
-  core. What ran as it arrived (the gateway routing it, decode taking its half,
-  the client), or what ran a moment before (a benchmark's other engine, a
-  finished stream), is no reason to halve it;
+- a step after an idle spell (a lone prompt arriving: the engine waited for work,
+  or it has not looked for :data:`MAX_IDLE_S`) starts on every allowed core.
+  What the last step saw is stale by then, and what ran as it arrived (the
+  gateway routing it, decode taking its half, the client) or a moment before (a
+  benchmark's other engine, a finished stream) is no reason to halve it;
 - between layers, at most every :data:`RECHECK_S`, it looks again: the count
   shrinks once other threads were seen on the cores this step took at
   :data:`PRESSED_CHECKS` looks in a row (the other role got busy) and grows back
@@ -78,10 +79,11 @@ class ThreadGovernor:
         self._pressed = 0  # checks in a row that found our cores wanted
         self._relaxed = 0  # checks in a row that found more cores free than we use
 
-    def decide(self) -> int:
-        """The thread count of the step about to start."""
+    def decide(self, after_idle: bool = False) -> int:
+        """The thread count of the step about to start; ``after_idle``: the engine
+        waited for work since its last step (what that step saw is stale)."""
         at = self._clock()
-        if at - self._looked > MAX_IDLE_S:  # idle since the last step: every core
+        if after_idle or at - self._looked > MAX_IDLE_S:  # idle since the last step: every core
             self._set(self.max_threads)
             self._pressed = self._relaxed = 0
         self._looked = at

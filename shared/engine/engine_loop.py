@@ -199,6 +199,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self._not_before = 0.0  # perf_counter: a paced engine's next step
+        self._waited = False  # the thread waited for work since its last computing step
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -286,6 +287,7 @@ class EngineLoop:
                 runnable = self.engine.has_unfinished() and not stalled
                 try:
                     if not runnable:
+                        self._waited = True
                         cmd = self._commands.get()
                     else:  # a paced step waits for its time, taking commands meanwhile
                         wait = self._not_before - time.perf_counter()
@@ -320,7 +322,7 @@ class EngineLoop:
     def _step_once(self) -> bool:
         """One engine step; False when nothing was runnable."""
         if self.threads is not None:
-            self._use_threads(self.threads.decide())
+            self._use_threads(self.threads.decide(after_idle=self._waited))
         t0 = time.perf_counter()
         self.stats.step_started(self.stats.threads or torch.get_num_threads(), t0)
         outputs = self.engine.step()
@@ -328,6 +330,7 @@ class EngineLoop:
         dt = end - t0
         self.stats.step_ended(end)
         if self.engine.last_step_tokens:
+            self._waited = False
             self.stats.observe_step(dt, end, self.engine.last_step_tokens)
             if self.on_step is not None:
                 self.on_step(dt, self.engine.last_step_tokens)

@@ -138,9 +138,14 @@ class KVStoreConnector(KVConnector):
         await self.tasks.close()
 
     # -- planning (event loop, before the request reaches the engine) ---------------------
-    async def plan_prefill(self, req: Request, *, whole_blocks: bool = False) -> StorePlan:
+    async def plan_prefill(
+        self, req: Request, *, whole_blocks: bool = False, hold_staged: bool = False
+    ) -> StorePlan:
         """Lease the longest cached prefix the store holds and open the put of the
-        prompt's blocks (content-addressed when caching, else request-scoped)."""
+        prompt's blocks (content-addressed when caching, else request-scoped).
+        ``hold_staged``: staged whole blocks wait for ``put_job.send_staged``, which
+        the caller must set (once the first token left, and whatever happens: the put
+        neither commits nor ends before)."""
         plan = StorePlan()
         bs = self.layout.block_size
         keys = [k.hex() for k in req.block_keys]
@@ -171,6 +176,8 @@ class KVStoreConnector(KVConnector):
             whole_blocks,
             committed,
         )
+        if hold_staged:
+            job.send_staged.clear()
         job.writer = self.tasks.spawn(self.tasks.writer(job), f"kv-put:{req.request_id}")
         if job.complete:  # the store holds every block already
             self.tasks.spawn(self.tasks.commit(job), f"kv-put-commit:{req.request_id}")

@@ -186,6 +186,8 @@ class TransferTasks:
             try:
                 if not job.failed:
                     ids = [job.ids[i] for i in idxs]
+                    if not copy.reads_pool:
+                        await job.send_staged.wait()
                     await copy.ready.wait()
                     if layer is None:
                         await job.put.write(ids, copy.buffers)

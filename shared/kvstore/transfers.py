@@ -83,10 +83,20 @@ class PutJob:
     next_block: int = 0  # blocks planned so far (engine thread)
     step_start: int = 0  # the first block planned in the current step (engine thread)
     writer: asyncio.Task[None] | None = None
+    # staged copies (out of the pool already: nothing waits for them) are sent once this
+    # is set. The prefill role clears it until the request's first token has left: sent
+    # at once, they took the CPU and the GIL that the step's last work and that token's
+    # way out need (a 512-token step ran ~13 ms longer on 2 cores)
+    send_staged: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
 
     @property
     def complete(self) -> bool:
         return self.written >= self.needed
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 class Events:

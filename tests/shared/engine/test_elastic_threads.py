@@ -70,6 +70,20 @@ def test_after_an_idle_spell_a_step_starts_on_every_core() -> None:
     assert [recheck(gov, src) for _ in range(2 * PRESSED_CHECKS)] == [2] * (2 * PRESSED_CHECKS)
 
 
+def test_a_step_after_waiting_for_work_starts_on_every_core() -> None:
+    """Prompts a moment apart (a client sending one after another): the last prompt's
+    step shrank while others ran, but the engine then waited for work, so what it saw
+    is stale and the next prompt starts on every core however soon it comes."""
+    src = FakeCpuSource()
+    gov = governor(src)
+    gov.decide()
+    src.running = 1
+    assert [recheck(gov, src) for _ in range(PRESSED_CHECKS)][-1] == 1
+    src.advance(0.05)  # far less than MAX_IDLE_S
+    assert gov.decide() == 1  # the next chunk of the same work: where the last ended
+    assert gov.decide(after_idle=True) == 2
+
+
 def test_between_layers_it_follows_the_other_processes() -> None:
     src = FakeCpuSource()
     gov = governor(src)

@@ -209,6 +209,38 @@ async def test_steps_on_every_core_send_whole_blocks_once_the_prompt_is_done(
             assert staging.take_many(staging_blocks) is not None
 
 
+@pytest.mark.parametrize("staging_blocks", [64, 0], ids=["staged", "in-place"])
+async def test_held_staged_blocks_leave_after_the_first_token(
+    make_engine: EngineFactory, staging_blocks: int
+) -> None:
+    """The prefill role holds a step's staged whole blocks until its first token has left
+    (their sends would slow that token), though the engine ended the request with that
+    token; blocks read from the pool in place are never held (the step waits for
+    them), and decode continues token-exact either way."""
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, GREEDY)
+    async with (
+        node(make_engine, store, layerwise=lambda: False, staging_blocks=staging_blocks) as p,
+        node(make_engine, store) as d,
+    ):
+        req = p.engine.new_request(prompt, _first_only(GREEDY), request_id="p1")
+        plan = await p.connector.plan_prefill(req, hold_staged=True)
+        job = plan.put_job
+        assert job is not None
+        outputs = p.loop.subscribe("p1")
+        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        first = await asyncio.wait_for(next_output(outputs), 120)
+        await asyncio.sleep(0.1)  # time enough for any write to be sent
+        if staging_blocks:
+            assert store.node.writes == [] and not job.committed.done()
+        job.send_staged.set()
+        await asyncio.wait_for(asyncio.shield(job.committed), 60)
+        assert store.node.writes
+        tokens = await d.decode(prompt, GREEDY, "d1", plan.put_ids, first.new_token_ids[0])
+        assert tokens == expected
+
+
 async def test_store_bytes_equal_the_engines_own_kv(make_engine: EngineFactory) -> None:
     store = fake_store(make_engine)
     prompt = make_engine().tokenizer.encode(TEXT)
