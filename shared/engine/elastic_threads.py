@@ -9,9 +9,11 @@ within ``[min_threads, max_threads]``, from the threads of other processes it
 sees running on this process's CPUs (``/proc/stat`` less this process's own):
 
 - a step after an idle spell (a lone prompt arriving: the engine waited for work,
-  or it has not looked for :data:`MAX_IDLE_S`) starts on every allowed core.
-  What the last step saw is stale by then, and what ran as it arrived (the
-  gateway routing it, decode taking its half, the client) or a moment before (a
+  or it has not looked for :data:`MAX_IDLE_S`) starts on every allowed core but
+  those the other roles' engines compute on at that moment (the engine threads
+  of the processes started beside this one: decode streaming). What the last
+  step saw is stale by then, and whatever else ran as it arrived (the gateway
+  routing it, decode taking its half, the client) or a moment before (a
   benchmark's other engine, a finished stream) is no reason to halve it;
 - between layers, at most every :data:`RECHECK_S`, it looks again: the count
   shrinks once other threads were seen on the cores this step took at
@@ -29,6 +31,8 @@ that reads the machine, and a fake one can be passed in.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import time
 from collections.abc import Callable
@@ -41,11 +45,19 @@ PRESSED_CHECKS = 3
 # between layers the running threads are read at most this often: a read walks this
 # process's threads in /proc (~0.1-0.5 ms), too much for every layer of a short step
 RECHECK_S = 0.02
+# the sibling processes' engine threads are looked up again at most this often (a
+# restarted role is found as soon); between lookups only their states are read
+SIBLINGS_REFRESH_S = 5.0
 
 
 class CpuSource(Protocol):
     def running_others(self) -> int:
         """Threads of other processes running or runnable at this moment."""
+        ...
+
+    def busy_siblings(self) -> int:
+        """Engine threads of the other roles started beside this process running or
+        runnable at this moment."""
         ...
 
     @property
@@ -83,8 +95,9 @@ class ThreadGovernor:
         """The thread count of the step about to start; ``after_idle``: the engine
         waited for work since its last step (what that step saw is stale)."""
         at = self._clock()
-        if after_idle or at - self._looked > MAX_IDLE_S:  # idle since the last step: every core
-            self._set(self.max_threads)
+        if after_idle or at - self._looked > MAX_IDLE_S:  # idle since the last step
+            busy = self.source.busy_siblings()
+            self._set(threads_for(self.source.cpus, busy, self.min_threads, self.max_threads))
             self._pressed = self._relaxed = 0
         self._looked = at
         return self.current
@@ -116,12 +129,27 @@ class ThreadGovernor:
 
 class ProcStatSource:
     """Threads running on the machine from ``/proc/stat`` (Linux), this process's own from
-    ``/proc/self/task``."""
+    ``/proc/self/task``, its siblings' engine threads from their ``/proc`` entries."""
 
-    def __init__(self, cpus: frozenset[int] | None = None, path: str = "/proc/stat"):
-        """``cpus``: those the engine thread runs on (default: this thread's affinity)."""
+    def __init__(
+        self,
+        cpus: frozenset[int] | None = None,
+        path: str = "/proc/stat",
+        engine_thread: str | None = None,
+        parent: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``cpus``: those the engine thread runs on (default: this thread's affinity);
+        ``engine_thread``: the OS name of the engine threads (and the compute threads
+        they start) in the processes ``parent`` (default: this one's) started beside
+        this one."""
         self.path = path
         self._allowed = sorted(cpus or os.sched_getaffinity(0))
+        self._engine_thread = engine_thread
+        self._parent = parent
+        self._clock = clock
+        self._siblings: list[str] = []  # /proc stat paths of the siblings' engine threads
+        self._found_at = -math.inf
 
     @staticmethod
     def available() -> bool:
@@ -144,16 +172,47 @@ class ProcStatSource:
                     break
         return max(0, running - max(own, _own_running_threads()))
 
+    def busy_siblings(self) -> int:
+        if self._engine_thread is None:
+            return 0
+        now = self._clock()
+        if now - self._found_at > SIBLINGS_REFRESH_S:
+            self._siblings = sibling_threads(self._engine_thread, self._parent)
+            self._found_at = now
+        return sum(_running(path) for path in self._siblings)
+
+
+def sibling_threads(name: str, parent: int | None = None) -> list[str]:
+    """The ``/proc`` stat paths of the threads called ``name`` in the other children of
+    ``parent`` (default: this process's parent)."""
+    parent = os.getppid() if parent is None else parent
+    pids: set[str] = set()
+    with contextlib.suppress(OSError):  # the parent ended, or no children files here
+        for task in os.listdir(f"/proc/{parent}/task"):
+            with open(f"/proc/{parent}/task/{task}/children", encoding="ascii") as f:
+                pids.update(f.read().split())
+    pids.discard(str(os.getpid()))
+    found = []
+    for pid in sorted(pids):
+        with contextlib.suppress(OSError):  # the process ended meanwhile
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                comm = f"/proc/{pid}/task/{tid}/comm"
+                with contextlib.suppress(OSError), open(comm, encoding="utf-8") as f:
+                    if f.read().rstrip("\n") == name:
+                        found.append(f"/proc/{pid}/task/{tid}/stat")
+    return found
+
+
+def _running(stat_path: str) -> bool:
+    """Whether the thread is running or runnable (False once it ended)."""
+    try:
+        with open(stat_path, encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R"
+
 
 def _own_running_threads() -> int:
     """This process's threads that are running or runnable (the reading one included)."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        if stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R":
-            n += 1
-    return n
+    return sum(_running(f"/proc/self/task/{tid}/stat") for tid in os.listdir("/proc/self/task"))

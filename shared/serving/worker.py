@@ -29,7 +29,12 @@ from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
 from shared.engine.elastic_threads import ProcStatSource, ThreadGovernor
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import EngineLoop, keep_openmp_off_this_thread, on_passing_thread
+from shared.engine.engine_loop import (
+    ENGINE_THREAD,
+    EngineLoop,
+    keep_openmp_off_this_thread,
+    on_passing_thread,
+)
 from shared.engine.kv_cache_manager import KVEvents
 from shared.engine.step_pacer import StepPacer
 from shared.hardware import auto_dtype
@@ -287,7 +292,8 @@ class Worker:
             log.warning("%s: BATON_MAX_THREADS ignored: no /proc/stat here", self.role)
             return None
         log.info("%s: elastic threads %d..%d", self.role, low, high)
-        return ThreadGovernor(ProcStatSource(self.baton.engine_cpu_set()), low, high)
+        source = ProcStatSource(self.baton.engine_cpu_set(), engine_thread=ENGINE_THREAD)
+        return ThreadGovernor(source, low, high)
 
     def stats(self) -> dict[str, float]:
         s = self.loop.stats

@@ -4,6 +4,10 @@ thread count it ran on."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from shared.engine.elastic_threads import (
     RECHECK_S,
     ProcStatSource,
     ThreadGovernor,
+    sibling_threads,
     threads_for,
 )
 from shared.engine.engine import Engine
@@ -84,6 +89,20 @@ def test_a_step_after_waiting_for_work_starts_on_every_core() -> None:
     assert gov.decide(after_idle=True) == 2
 
 
+def test_a_step_after_waiting_leaves_the_cores_a_streaming_role_computes_on() -> None:
+    """Prompts a moment apart while decode streams (8 in flight): the next prompt starts
+    beside decode's engine, not on its core (2 threads on 1 free core stall at every
+    barrier until the rechecks shrink them); once decode is idle, every core again."""
+    src = FakeCpuSource()
+    gov = governor(src)
+    src.running = src.siblings = 1
+    assert gov.decide(after_idle=True) == 1
+    src.running = src.siblings = 0
+    assert gov.decide(after_idle=True) == 2
+    src.running = 3  # the gateway, decode's event loop and the client, as a prompt arrives
+    assert gov.decide(after_idle=True) == 2
+
+
 def test_between_layers_it_follows_the_other_processes() -> None:
     src = FakeCpuSource()
     gov = governor(src)
@@ -126,6 +145,47 @@ def test_bounds_are_checked() -> None:
         ThreadGovernor(FakeCpuSource(), 3, 2)
     with pytest.raises(ValueError):
         ThreadGovernor(FakeCpuSource(), 0, 2)
+
+
+@pytest.mark.skipif(not ProcStatSource.available(), reason="no /proc/stat")
+def test_sibling_engine_threads_are_found_by_name_and_read_running() -> None:
+    """Two processes started side by side by one parent (as ``baton up`` starts the roles):
+    the one computing on a thread named like the engine thread is seen running from
+    the other; a thread of another name, or one asleep, is not."""
+    name = "baton-test-eng"
+
+    def child(engine_busy: bool, other_busy: bool) -> str:
+        """A process with a thread called ``name`` and one called otherwise, each
+        spinning or asleep (one spinning thread each: the GIL would park a second)."""
+        return (
+            "import ctypes, threading, time\n"
+            "def work(name, busy):\n"
+            "    ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)\n"
+            "    while True:\n"
+            "        if not busy: time.sleep(1)\n"
+            f"threading.Thread(target=work, args=({name!r}, {engine_busy}), daemon=True).start()\n"
+            f"threading.Thread(target=work, args=('other', {other_busy}), daemon=True).start()\n"
+            "time.sleep(60)\n"
+        )
+
+    codes = [child(engine_busy=True, other_busy=False), child(engine_busy=False, other_busy=True)]
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for code in codes]
+    try:
+        deadline = time.monotonic() + 30
+        while len(paths := sibling_threads(name, parent=os.getpid())) < 2:
+            assert time.monotonic() < deadline, paths
+            time.sleep(0.05)
+        busy = ProcStatSource(engine_thread=name, parent=os.getpid())  # the children's view
+        # the spinning engine thread is running or runnable at every look (another
+        # thread spinning, or an engine thread asleep, is not counted)
+        assert {busy.busy_siblings() for _ in range(20)} == {1}
+        procs[0].kill()
+        procs[0].wait()
+        assert busy.busy_siblings() == 0  # an ended thread reads as not running
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.skipif(not ProcStatSource.available(), reason="no /proc/stat")
