@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build the Baton image (baton:latest) and the Redis image (baton-redis:latest) with
-# BuildKit, on any machine:
+# Build the Baton image (baton:latest), the Redis image (baton-redis:latest) and the
+# balancer image (baton-balancer:latest) with BuildKit, on any machine:
 #   bash scripts/docker-build.sh
 # Environment:
 #   BATON_BASE_IMAGE   base of the Baton image; default python:3.11-slim where it can be
@@ -66,6 +66,7 @@ fi
 [ -z "$ca" ] || args+=(--secret "id=ca_bundle,src=$ca")
 
 "$docker" build "${args[@]}" -t baton:latest .
+find docker/wheels -name '*.whl' -delete  # the small images' context is docker/
 "$docker" build --build-arg "BASE_IMAGE=$redis_base" -t baton-redis:latest -f docker/redis.Dockerfile docker
-find docker/wheels -name '*.whl' -delete
+"$docker" build --build-arg "BASE_IMAGE=$redis_base" -t baton-balancer:latest -f docker/balancer.Dockerfile docker
 echo "docker-build: baton:latest $("$docker" image inspect -f '{{.Size}}' baton:latest) bytes"

@@ -269,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--watch", type=float, default=0.0, help="refresh every this many seconds (0: once)"
     )
+    secret = sub.add_parser(
+        "secret",
+        help="leave the cluster secret in a file (compose's one-shot service): "
+        "$BATON_CLUSTER_SECRET if set, else the file's own, else a new one",
+    )
+    secret.add_argument("path", type=Path, help="the file (BATON_CLUSTER_SECRET_FILE of the rest)")
     from shared.bench.command import add_parser as add_bench_parser
     from shared.capacity.command import add_parsers as add_capacity_parsers
 
@@ -530,6 +536,14 @@ async def cmd_status(args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
+def cmd_secret(args: argparse.Namespace) -> int:
+    from shared.cluster.auth import write_secret_file
+
+    changed = write_secret_file(args.path, os.environ.get("BATON_CLUSTER_SECRET") or None)
+    print(f"baton secret: {'wrote' if changed else 'kept'} {args.path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -539,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_up(args)
         if args.command == "status":
             return asyncio.run(cmd_status(args))
+        if args.command == "secret":
+            return cmd_secret(args)
         if args.command == "bench":
             from shared.bench.command import run as run_bench
 

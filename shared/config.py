@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.errors import ConfigError
@@ -163,11 +163,28 @@ class BatonSettings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0)
     member_ttl_s: float = Field(default=5.0, gt=0)
     index_ttl_s: float = Field(default=3600.0, gt=0)
-    # the cluster secret internal surfaces demand (`baton up` generates one)
+    # the cluster secret internal surfaces demand (`baton up` generates one), or a file
+    # holding it (compose: the volume its one-shot `secret` service writes)
     cluster_secret: str | None = Field(default=None, min_length=16, repr=False)
+    cluster_secret_file: Path | None = None
     # latency targets, seconds (`baton up --slo-ttft/--slo-tpot`): every process reads them
     slo_ttft: float | None = Field(default=None, gt=0)
     slo_tpot: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _secret_from_file(self) -> BatonSettings:
+        """The secret given directly wins; else the file's (whitespace around it dropped)."""
+        path = self.cluster_secret_file
+        if self.cluster_secret is not None or path is None:
+            return self
+        try:
+            secret = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
+        if len(secret) < 16:
+            raise ValueError(f"{path} holds fewer than 16 characters")
+        self.cluster_secret = secret
+        return self
 
     def engine_cpu_set(self) -> frozenset[int] | None:
         if self.engine_cpus is None:

@@ -189,25 +189,43 @@ def plan(topo: Topology) -> list[ServiceSpec]:
     return specs
 
 
-# compose refuses to start without it: `BATON_CLUSTER_SECRET=$(openssl rand -hex 32)`
-COMPOSE_SECRET = "${BATON_CLUSTER_SECRET:?set BATON_CLUSTER_SECRET to a random string}"
+# compose's one-shot `secret` service leaves the cluster secret in this file of a volume
+# every other service mounts read-only (`baton secret`): `docker compose up` as typed
+COMPOSE_SECRET_FILE = "/run/baton/secret/cluster-secret"
+# Kubernetes sets BATON_CLUSTER_SECRET from its Secret (deploy/k8s/secret.yaml)
+KUBERNETES_SECRET = "valueFrom: secretKeyRef baton-cluster"
 
 
-def compose_plan() -> list[ServiceSpec]:
-    """What docker-compose.yml must run: one replica per role, container addresses.
+def container_plan(*, secret_file: str | None) -> list[ServiceSpec]:
+    """What the containers run: one replica per role, container addresses, the cluster
+    secret read from ``secret_file`` (compose) or, with None, set in the environment
+    (Kubernetes, from its Secret).
 
     UCX between containers uses its TCP transport only: its cross-process memory
     transport (cma) needs ptrace rights that Docker's default profile withholds."""
+    extra = {"UCX_TLS": "tcp"}
+    if secret_file is not None:
+        extra["BATON_CLUSTER_SECRET_FILE"] = secret_file
     return plan(
         Topology(
             redis_url=COMPOSE_REDIS_URL,
             advertise_host=None,
             transport="ucx",
             threads=None,
-            extra_env={"UCX_TLS": "tcp"},
-            cluster_secret=COMPOSE_SECRET,
+            extra_env=extra,
+            cluster_secret=None if secret_file is not None else KUBERNETES_SECRET,
         )
     )
+
+
+def compose_plan() -> list[ServiceSpec]:
+    """What docker-compose.yml must run."""
+    return container_plan(secret_file=COMPOSE_SECRET_FILE)
+
+
+def kubernetes_plan() -> list[ServiceSpec]:
+    """What deploy/k8s must run."""
+    return container_plan(secret_file=None)
 
 
 def check_ports(specs: list[ServiceSpec]) -> None:

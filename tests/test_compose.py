@@ -9,6 +9,11 @@ registry is reachable), the cluster is started with ``docker compose up``, and:
   container address and requests are served by every decode replica;
 - scaling decode back down while streams run (Compose stops the removed replica with
   SIGTERM: it drains and its streams move) breaks no stream;
+- nothing is exported: the cluster secret is the one the one-shot ``secret`` service
+  made, and every role demands it;
+- with ``--scale gateway=2`` behind the balancer, a gateway container killed
+  mid-stream loses no resumable stream: the client reconnects through the balancer
+  with ``Last-Event-ID`` and gets the rest, token-exact;
 - ``down`` leaves no container and no network behind.
 
 Where no Docker engine runs, the test starts ``dockerd`` itself (as root) and stops it
@@ -21,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import secrets
 import shutil
 import subprocess
 import time
@@ -32,6 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.gateway.completion import GATEWAY_HEADER
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench.chaos import (
     ChaosRequest,
@@ -43,9 +48,11 @@ from shared.bench.chaos import (
     stream,
 )
 from shared.bench.scrape import metric_sum
+from shared.cluster.auth import SECRET_HEADER
 from shared.config import BatonSettings, EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
+from shared.launcher import COMPOSE_SECRET_FILE
 from shared.model.loader import load_model
 from shared.procs import free_port
 from tests.conftest import CHAT_FRANCE
@@ -138,14 +145,22 @@ class Compose:
 
     def stats(self, container: str, role: str) -> dict[str, float]:
         """The instance's /stats, read inside its container (no host port is published)."""
+        stats: dict[str, float] = json.loads(self.inside(container, ROLE_PORTS[role], "/stats"))
+        return stats
+
+    def inside(self, container: str, port: int, path: str) -> str:
+        """GET ``path`` on ``port`` inside ``container``: the body (raises on an error)."""
+        body = self.try_inside(container, port, path)
+        assert body is not None, f"{container}: GET {path} failed"
+        return body
+
+    def try_inside(self, container: str, port: int, path: str) -> str | None:
         code = (
             "import sys, urllib.request as u; "
-            f"sys.stdout.write(u.urlopen('http://127.0.0.1:{ROLE_PORTS[role]}/stats').read().decode())"
+            f"sys.stdout.write(u.urlopen('http://127.0.0.1:{port}{path}').read().decode())"
         )
         out = _run([self.docker, "exec", container, "python", "-c", code])
-        assert out.returncode == 0, out.stderr
-        stats: dict[str, float] = json.loads(out.stdout)
-        return stats
+        return out.stdout if out.returncode == 0 else None
 
     def wait_ready(self, prefill: int, decode: int, timeout_s: float = 240) -> dict[str, object]:
         deadline = time.monotonic() + timeout_s
@@ -164,10 +179,9 @@ class Compose:
 @pytest.fixture(scope="module")
 def cluster(docker: str, images: None) -> Iterator[Compose]:
     port = free_port()
-    env = {
-        **os.environ,
+    env = {  # `docker compose up` as typed: no secret exported
+        **{k: v for k, v in os.environ.items() if k != "BATON_CLUSTER_SECRET"},
         "COMPOSE_PROJECT_NAME": f"batontest{os.getpid()}",
-        "BATON_CLUSTER_SECRET": secrets.token_hex(16),
         "BATON_GATEWAY_PUBLISH": str(port),
     }
     compose = Compose(docker, compose_command(docker), env, f"http://127.0.0.1:{port}")
@@ -281,6 +295,134 @@ def test_removing_a_decode_replica_under_load_breaks_no_stream(
     assert run.held[run.removed[0]] > 0, run.held  # the removed replica was streaming
     assert broken(run.results, reference(engine, [r.request for r in run.results])) == []
     assert metric_sum(cluster.url, "baton_failovers_total", 'reason="migrated"') > migrated
+
+
+def test_the_secret_made_by_the_one_shot_service_guards_every_role(cluster: Compose) -> None:
+    """Nothing was exported, yet every role runs with the secret the `secret` service left
+    in the volume: a worker's internal route refuses a call without it (401) and takes
+    one with it."""
+    (prefill,) = cluster.containers("prefill")[:1]
+    secret = _run([cluster.docker, "exec", prefill, "cat", COMPOSE_SECRET_FILE]).stdout.strip()
+    assert len(secret) >= 16
+    code = (
+        "import urllib.request as u, urllib.error as e\n"
+        "try:\n"
+        "    u.urlopen(u.Request('http://127.0.0.1:8100/v1/prefill', data=b'{}', "
+        "headers={'content-type': 'application/json'}))\n"
+        "except e.HTTPError as x:\n"
+        "    print(x.code)\n"
+    )
+    refused = _run([cluster.docker, "exec", prefill, "python", "-c", code])
+    assert refused.stdout.strip() == "401", refused.stdout + refused.stderr
+    with_secret = code.replace(
+        "'content-type': 'application/json'",
+        f"'content-type': 'application/json', {SECRET_HEADER!r}: {secret!r}",
+    )
+    taken = _run([cluster.docker, "exec", prefill, "python", "-c", with_secret])
+    assert taken.stdout.strip() == "422", taken.stdout + taken.stderr  # past auth: bad body
+
+
+def _open_resumable(url: str, prompt: list[int], seed: int | None, n: int) -> ResumableStart:
+    """A resumable stream through the balancer, read for ``n`` events, then dropped."""
+    payload = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 160,
+        "temperature": 0.0 if seed is None else 0.8,
+        "seed": seed,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"resumable": True},
+    }
+    seen: list[tuple[int, str]] = []
+    with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        owner = r.headers[GATEWAY_HEADER]
+        for seq, data in _sse(r.iter_lines()):
+            seen.append((seq, data))
+            if len(seen) == n:
+                break
+    return ResumableStart(json.loads(seen[0][1])["id"], owner, seen, prompt, seed)
+
+
+@dataclass
+class ResumableStart:
+    response_id: str
+    owner: str  # the gateway instance that produced it
+    seen: list[tuple[int, str]]  # (sequence number, data) of the events read
+    prompt: list[int]
+    seed: int | None
+
+
+def _sse(lines: Iterator[str]) -> Iterator[tuple[int, str]]:
+    seq, data = -1, ""
+    for line in lines:
+        if line.startswith("id: "):
+            seq = int(line[4:])
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif line == "" and data:
+            yield seq, data
+            seq, data = -1, ""
+
+
+def _tokens(events: list[tuple[int, str]]) -> list[int]:
+    out: list[int] = []
+    for _, data in events:
+        if data != "[DONE]":
+            for choice in json.loads(data).get("choices", []):
+                out += choice.get("token_ids") or []
+    return out
+
+
+def test_a_gateway_killed_mid_stream_loses_no_resumable_stream(
+    cluster: Compose, engine: Engine
+) -> None:
+    """Two gateways behind the balancer; four resumable streams (greedy and seeded) read
+    part way; the gateway that produced the first is killed (SIGKILL); each client
+    reconnects through the balancer with Last-Event-ID and gets exactly the events it
+    had not seen, with the in-process engine's tokens."""
+    cluster("up", "-d", "--no-build", "--scale", "gateway=2")
+    gateways = cluster.containers("gateway")
+    assert len(gateways) == 2
+    deadline = time.monotonic() + 120
+    ids: dict[str, str] = {}
+    while len(ids) < 2:  # the new replica started and answers
+        assert time.monotonic() < deadline, f"the gateways never answered: {ids}"
+        for c in gateways:
+            body = cluster.try_inside(c, 8000, "/ready")
+            if body is not None:
+                ids[json.loads(body)["gateway"]] = c
+        time.sleep(0.5)
+    while (
+        len({httpx.get(cluster.url + "/ready", timeout=5).json()["gateway"] for _ in range(6)}) < 2
+    ):
+        assert time.monotonic() < deadline, "the balancer never sent requests to both gateways"
+        time.sleep(1)
+    rng = random.Random(5)
+    starts = [
+        _open_resumable(cluster.url, [rng.randrange(100, 40000) for _ in range(60)], seed, n=8)
+        for seed in (None, 7, None, 11)
+    ]
+    victim = ids[starts[0].owner]
+    assert _run([cluster.docker, "kill", victim]).returncode == 0
+    for start in starts:
+        last = start.seen[-1][0]
+        path = f"{cluster.url}/v1/completions/{start.response_id}/stream"
+        with httpx.stream("GET", path, headers={"Last-Event-ID": str(last)}, timeout=180) as r:
+            assert r.status_code == 200, r.read()
+            rest = list(_sse(r.iter_lines()))
+        assert [s for s, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
+        assert rest[-1][1] == "[DONE]"
+        params = SamplingParams(
+            max_tokens=160,
+            temperature=0.0 if start.seed is None else 0.8,
+            seed=start.seed,
+            ignore_eos=True,
+        )
+        want = engine.generate([start.prompt], params)[0].token_ids
+        assert _tokens(start.seen + rest) == list(want)
 
 
 def test_down_leaves_no_container_or_network(cluster: Compose) -> None:

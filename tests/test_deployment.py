@@ -18,7 +18,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.launcher import ROLE_MODULES, Topology, compose_plan, plan
+from services.balancer.config import compose_config
+from shared.launcher import (
+    COMPOSE_SECRET_FILE,
+    ROLE_MODULES,
+    Topology,
+    compose_plan,
+    kubernetes_plan,
+    plan,
+)
 from shared.service import GRACEFUL_SHUTDOWN_S
 from shared.serving.worker import WorkerSettings
 
@@ -33,11 +41,52 @@ def compose() -> dict[str, Any]:
 def test_compose_runs_exactly_the_launcher_plan() -> None:
     services = compose()["services"]
     specs = {s.role: s for s in compose_plan()}
-    assert set(services) == {"redis", *ROLE_MODULES}
+    assert set(services) == {"secret", "redis", "balancer", *ROLE_MODULES}
     for role, spec in specs.items():
         svc = services[role]
         assert svc["command"] == spec.command("python"), role
         assert {k: str(v) for k, v in svc["environment"].items()} == spec.env, role
+
+
+def test_compose_needs_no_exported_secret() -> None:
+    """`docker compose up` as typed: the one-shot secret service writes the secret (the
+    user's if given, else one of its own) into a volume every role reads, read-only,
+    and no role starts before it is there."""
+    services = compose()["services"]
+    secret = services["secret"]
+    folder = COMPOSE_SECRET_FILE.rsplit("/", 1)[0]
+    assert secret["command"] == ["baton", "secret", COMPOSE_SECRET_FILE]
+    assert secret["environment"] == {"BATON_CLUSTER_SECRET": "${BATON_CLUSTER_SECRET:-}"}
+    assert secret["volumes"] == [f"secret:{folder}"]
+    assert secret["restart"] == "no"
+    for role in ROLE_MODULES:
+        svc = services[role]
+        assert "BATON_CLUSTER_SECRET" not in svc["environment"], role
+        assert svc["environment"]["BATON_CLUSTER_SECRET_FILE"] == COMPOSE_SECRET_FILE, role
+        assert svc["volumes"] == [f"secret:{folder}:ro"], role
+    # every role waits for it, directly or through the KV store it waits for
+    assert services["kvstore"]["depends_on"]["secret"]["condition"] == (
+        "service_completed_successfully"
+    )
+    assert services["gateway"]["depends_on"]["secret"]["condition"] == (
+        "service_completed_successfully"
+    )
+    for role in ("prefill", "decode"):
+        assert services[role]["depends_on"]["kvstore"]["condition"] == "service_healthy"
+    assert "secret" in compose()["volumes"]
+
+
+def test_compose_balancer_finds_every_gateway_replica() -> None:
+    """One published port in front of `--scale gateway=N`: HAProxy from Debian's package
+    with the configuration services/balancer renders for Docker's DNS."""
+    services = compose()["services"]
+    balancer = services["balancer"]
+    assert balancer["image"] == "baton-balancer:latest"
+    assert balancer["build"]["dockerfile"] == "balancer.Dockerfile"
+    assert balancer["ports"] == ["${BATON_GATEWAY_PUBLISH:-8000}:8000"]
+    assert (ROOT / "docker" / "haproxy.cfg").read_text() == compose_config()
+    assert "COPY haproxy.cfg" in (ROOT / "docker" / "balancer.Dockerfile").read_text()
+    assert "baton-balancer:latest" in (ROOT / "scripts" / "docker-build.sh").read_text()
 
 
 def test_compose_scales_and_checks_health() -> None:
@@ -45,14 +94,14 @@ def test_compose_scales_and_checks_health() -> None:
     assert services["redis"]["image"] == "baton-redis:latest"  # built from Debian's package
     for name, svc in services.items():
         assert svc["pull_policy"] == "never", name  # built here, never pulled
-    images = {services[r]["image"] for r in ROLE_MODULES}
+    images = {services[r]["image"] for r in (*ROLE_MODULES, "secret")}
     assert images == {"baton:latest"}  # one image for every role
     for name, svc in services.items():
-        assert "healthcheck" in svc, name
+        if name != "secret":  # a one-shot: its completion is what others wait for
+            assert "healthcheck" in svc, name
         assert "container_name" not in svc, name
-        if name != "gateway":
+        if name != "balancer":
             assert "ports" not in svc, name  # scaled replicas cannot share host ports
-    assert services["gateway"]["ports"] == ["${BATON_GATEWAY_PUBLISH:-8000}:8000"]
     for role in ("prefill", "decode"):
         env = services[role]["environment"]
         # no fixed address: each replica advertises its own container IP
@@ -60,16 +109,23 @@ def test_compose_scales_and_checks_health() -> None:
 
 
 def test_local_plan_differs_only_in_addresses() -> None:
-    """The local launcher's plan for the same topology: same keys plus local addresses."""
+    """The local launcher's plan for the same topology: same keys plus local addresses
+    (Kubernetes), or the secret from a file instead of the environment (compose)."""
     local = {s.role: s for s in plan(Topology(redis_url="redis://127.0.0.1:1/0"))}
-    for spec in compose_plan():
-        mine = local[spec.role]
-        extra = set(mine.env) - set(spec.env)
-        assert extra <= {
-            f"BATON_{spec.role.upper()}_ADVERTISE_HOST",
-            "BATON_NUM_THREADS",
-        }, spec.role
-        assert mine.module == spec.module
+    for container, secret in ((kubernetes_plan(), set()), (compose_plan(), {"SECRET"})):
+        for spec in container:
+            mine = local[spec.role]
+            extra = set(mine.env) - set(spec.env)
+            assert extra <= {
+                f"BATON_{spec.role.upper()}_ADVERTISE_HOST",
+                "BATON_NUM_THREADS",
+                *(f"BATON_CLUSTER_{s}" for s in secret),
+            }, spec.role
+            assert set(spec.env) - set(mine.env) <= {
+                "UCX_TLS",  # TCP only between containers
+                *(f"BATON_CLUSTER_{s}_FILE" for s in secret),
+            }, spec.role
+            assert mine.module == spec.module
 
 
 def test_dockerfile_builds_one_image_with_the_model() -> None:
@@ -123,7 +179,7 @@ def test_kubernetes_pods_run_the_launcher_plan_with_probes_and_drain_time() -> N
         if d["kind"] in ("Deployment", "StatefulSet")
     }
     drain = WorkerSettings.model_fields["drain_timeout_s"].default
-    for spec in compose_plan():
+    for spec in kubernetes_plan():
         pod = workloads[spec.role]
         (container,) = pod["containers"]
         assert container["command"] == spec.command("python"), spec.role

@@ -9,10 +9,13 @@ import shutil
 import sys
 import tempfile
 
-from services.balancer.config import BalancerConfig
+from services.balancer.config import BalancerConfig, compose_config
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--compose-config"]:  # docker/haproxy.cfg
+        sys.stdout.write(compose_config())
+        return
     haproxy = shutil.which("haproxy")
     if haproxy is None:
         sys.exit("baton balancer: haproxy is not installed (Debian: apt-get install haproxy)")

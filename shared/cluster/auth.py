@@ -1,7 +1,9 @@
 """The cluster secret: what every internal call presents, and how services check it.
 
-One secret per cluster (``BATON_CLUSTER_SECRET``; ``baton up`` generates one and
-hands it to its children; compose and Kubernetes set it from a secret). It guards
+One secret per cluster (``BATON_CLUSTER_SECRET``, or a file named by
+``BATON_CLUSTER_SECRET_FILE``; ``baton up`` generates one and hands it to its
+children; compose's one-shot ``secret`` service leaves one in a volume the others
+read, :func:`write_secret_file`; Kubernetes sets it from a Secret). It guards
 the surfaces a client must never reach directly: the workers' ``/v1/...`` routes
 (submitting prefill/decode work) and the KV store's data plane (writing or reading
 KV blocks). Health, readiness, ``/stats`` and ``/metrics`` stay open for probes and
@@ -24,15 +26,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.errors import ConfigError
 from shared.serving.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,38 @@ FRESH_S = 60.0  # a hello proof older (or newer) than this is refused
 
 def generate_secret() -> str:
     return secrets.token_urlsafe(32)
+
+
+MIN_SECRET_CHARS = 16
+
+
+def write_secret_file(path: Path, given: str | None) -> bool:
+    """Leave the cluster secret in ``path`` for the services that read it through
+    ``BATON_CLUSTER_SECRET_FILE`` (compose's one-shot ``secret`` service): ``given`` where
+    one is (it replaces the file's), else the file's own where it has one (a restart
+    keeps the cluster's secret), else a new one. Readable by its owner only; written
+    whole or not at all. Returns whether the file changed."""
+    given = given.strip() if given else None
+    if given is not None and len(given) < MIN_SECRET_CHARS:
+        raise ConfigError(f"BATON_CLUSTER_SECRET has fewer than {MIN_SECRET_CHARS} characters")
+    try:
+        current: str | None = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        current = None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
+    if given is None and current is not None and len(current) >= MIN_SECRET_CHARS:
+        return False
+    secret = given or generate_secret()
+    if secret == current:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secret + "\n")
+    os.replace(partial, path)
+    return True
 
 
 class AuthMetrics:

@@ -138,3 +138,23 @@ def test_pull_reports_ready(cache_dir: Path) -> None:
     proc = baton("model", "pull", cache_dir=cache_dir)
     assert proc.returncode == 0, proc.stderr
     assert "SmolLM2-135M-Instruct: ready" in proc.stdout
+
+
+def test_secret_leaves_the_given_or_a_kept_secret_in_a_file(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Compose's one-shot service: `baton secret PATH` makes one, keeps it on the next run,
+    writes $BATON_CLUSTER_SECRET where set, and refuses a short one cleanly."""
+    path = tmp_path / "secret" / "cluster-secret"
+    made = baton("secret", str(path), cache_dir=cache_dir)
+    assert made.returncode == 0, made.stderr
+    assert "wrote" in made.stdout
+    first = path.read_text()
+    kept = baton("secret", str(path), cache_dir=cache_dir)
+    assert "kept" in kept.stdout and path.read_text() == first
+    given = "g" * 32
+    wrote = baton("secret", str(path), cache_dir=cache_dir, env={"BATON_CLUSTER_SECRET": given})
+    assert wrote.returncode == 0 and path.read_text().strip() == given
+    short = baton("secret", str(path), cache_dir=cache_dir, env={"BATON_CLUSTER_SECRET": "x"})
+    assert short.returncode == 2
+    assert "fewer than 16 characters" in short.stderr and "Traceback" not in short.stderr

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -45,4 +47,25 @@ def test_env_settings_build_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError):
+        BatonSettings()
+
+
+def test_the_cluster_secret_comes_from_its_file_unless_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Compose's roles read BATON_CLUSTER_SECRET_FILE (the volume its secret service
+    writes); a secret given directly wins; an unreadable or short file is refused."""
+    path = tmp_path / "cluster-secret"
+    path.write_text("s3cret-" + "x" * 20 + "\n")
+    monkeypatch.setenv("BATON_CLUSTER_SECRET_FILE", str(path))
+    assert BatonSettings().cluster_secret == "s3cret-" + "x" * 20
+    assert BatonSettings().cluster_config().secret == "s3cret-" + "x" * 20
+    monkeypatch.setenv("BATON_CLUSTER_SECRET", "given-" + "y" * 20)
+    assert BatonSettings().cluster_secret == "given-" + "y" * 20
+    monkeypatch.delenv("BATON_CLUSTER_SECRET")
+    path.write_text("short")
+    with pytest.raises(ValidationError, match="fewer than 16"):
+        BatonSettings()
+    monkeypatch.setenv("BATON_CLUSTER_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValidationError, match="cannot read"):
         BatonSettings()
