@@ -27,12 +27,23 @@ process (greedy and seeded): a broken stream is an error or any token that diffe
 
 - ``soak``: no fault, ``--duration`` seconds of saturating load with ``--prompt``-token
   prompts; any failover is a false alarm (the hang detection's false-positive rate).
+- ``gateway``: 2 gateways behind the balancer (HAProxy), 2 decode instances;
+  ``--rounds`` faults (``--fault kill|term``) of the gateway producing most of
+  ``--streams`` resumable streams, part way; each client (the reference client,
+  :mod:`shared.bench.resume_client`) reconnects through the balancer with
+  ``Last-Event-ID``. Broken streams, and the resume gap of every stream that lost its
+  connection (noticing the break to the next event); the supervisor restarts the
+  gateway between rounds, so the rounds roll over both.
+
+    python -m benchmarks.failover_bench gateway --fault kill --rounds 20 --streams 4
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import random
 import statistics
@@ -49,6 +60,7 @@ from benchmarks.results import save_json
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench import chaos
 from shared.bench.chaos import ChaosRequest, StreamResult
+from shared.bench.resume_client import ResumedStream, read_resumable
 from shared.bench.scrape import metric_sum
 from shared.config import BatonSettings, CacheConfig, EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
@@ -60,12 +72,18 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @contextmanager
 def cluster(
-    args: argparse.Namespace, *, kvstore: int = 1, replication: int = 1, **env: str
+    args: argparse.Namespace,
+    *,
+    kvstore: int = 1,
+    replication: int = 1,
+    prefill: int = 2,
+    gateways: int = 1,
+    **env: str,
 ) -> Iterator[chaos.Supervised]:
     """The cluster, with a supervisor restarting what dies (as ``baton up`` does)."""
     with bench_cluster(
-        args.logs, "failover", env, prefill=2, decode=args.decode, kvstore=kvstore,
-        replication=replication, kv_cache_gb=0.5, kvstore_gb=1.0,
+        args.logs, "failover", env, prefill=prefill, decode=args.decode, kvstore=kvstore,
+        replication=replication, kv_cache_gb=0.5, kvstore_gb=1.0, gateways=gateways,
     ) as local:  # fmt: skip
         supervised = chaos.Supervised(local, say=print)
         try:
@@ -87,7 +105,7 @@ class Reference:
         )
         self.engine = Engine(loaded, config)
 
-    def broken(self, results: list[StreamResult]) -> list[str]:
+    def broken(self, results: list[StreamResult] | list[ResumedStream]) -> list[str]:
         reqs = [r.request for r in results]
         return chaos.broken(results, chaos.reference(self.engine, reqs))
 
@@ -306,6 +324,73 @@ def run_soak(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
     return {"streams": len(results), "broken": bad, "failovers": failovers}
 
 
+# -- gateways --------------------------------------------------------------------------------
+def gateway_ids(local: LocalCluster) -> dict[str, str]:
+    """Each live gateway's instance id -> its name in the cluster."""
+    out = {}
+    for spec in local.specs:
+        if spec.role == "gateway":
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = httpx.get(f"http://127.0.0.1:{spec.http_port}/ready", timeout=2)
+                out[r.json()["gateway"]] = spec.name
+    return out
+
+
+async def gateway_fault(
+    local: LocalCluster, reqs: list[ChaosRequest], fault: chaos.Fault, after_tokens: int
+) -> tuple[list[ResumedStream], str]:
+    """Resumable streams through the balancer; once each has ``after_tokens``, the gateway
+    producing most of them gets ``fault``; every stream is read to its end."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        streams = [ResumedStream(r, time.perf_counter()) for r in reqs]
+        tasks = [
+            asyncio.create_task(read_resumable(http, local.gateway_url, MODEL, s)) for s in streams
+        ]
+        pairs = list(zip(streams, tasks, strict=True))
+        while not all(len(s.tokens) >= after_tokens or t.done() for s, t in pairs):
+            await asyncio.sleep(0.02)
+        owners = collections.Counter(s.owner for s in streams if s.owner is not None)
+        if not owners:
+            raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
+        victim = gateway_ids(local)[owners.most_common(1)[0][0]]
+        chaos.apply_fault(local, victim, fault)
+        results = await asyncio.gather(*tasks)
+    return list(results), victim
+
+
+def run_gateway(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    rounds: list[dict[str, Any]] = []
+    with cluster(args, prefill=1, gateways=2) as sup:
+        local = sup.local
+        for i in range(args.rounds):
+            chaos.settle(local)
+            chaos.wait_ready(local, "gateway")
+            reqs = chaos.make_requests(
+                rng, args.streams, prompt_len=(100, 300), max_tokens=args.output_len
+            )
+            results, victim = asyncio.run(
+                gateway_fault(local, reqs, args.fault, after_tokens=args.output_len // 4)
+            )
+            bad = ref.broken(results)
+            gaps = [g for r in results for g in r.gaps]
+            rounds.append({"victim": victim, "broken": bad, "gaps_s": gaps})
+            worst = max(gaps, default=0.0)
+            print(f"round {i + 1}: {victim} {args.fault}: {len(gaps)} streams resumed, "
+                  f"broken {len(bad)}, worst gap {worst:.3f}s", flush=True)  # fmt: skip
+    every = [g for r in rounds for g in r["gaps_s"]]
+    return {
+        "fault": args.fault,
+        "rounds": len(rounds),
+        "streams": len(rounds) * args.streams,
+        "resumed": len(every),
+        "broken_streams": sum(len(r["broken"]) for r in rounds),
+        "resume_gap_s": {"p50": pct(every, 0.5), "p99": pct(every, 0.99),
+                         "max": max(every, default=float("nan"))},
+        "per_round": rounds,
+    }  # fmt: skip
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] = {
     "chaos": run_chaos,
     "e2e": run_e2e,
@@ -314,6 +399,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] 
     "store": run_store,
     "redis": run_redis,
     "soak": run_soak,
+    "gateway": run_gateway,
 }
 
 

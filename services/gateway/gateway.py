@@ -48,6 +48,8 @@ from shared.serving.errors import ServiceError
 from shared.serving.protocol import ConstraintSpec, SamplingSpec
 
 log = logging.getLogger(__name__)
+# a connection to another gateway (is it gone?) is refused at once by a killed one
+OWNER_PROBE_TIMEOUT = httpx.Timeout(1.0, connect=0.25)
 # a request body with a model name (chat, completions, Responses)
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest, ResponsesRequest)
 
@@ -126,7 +128,27 @@ class Gateway:
             lease_s=settings.response_lease_s,
         )
         # each kind's rebuild (a take-over) is registered by the app, which knows them
-        self.resumables = Resumables(events, self.instance_id, rebuild={})
+        self.resumables = Resumables(
+            events,
+            self.instance_id,
+            rebuild={},
+            owner_url=f"http://{settings.advertise_host}:{settings.port}" if settings.port else "",
+            owner_gone=self._gateway_gone,
+        )
+
+    async def _gateway_gone(self, url: str, instance_id: str) -> bool:
+        """Whether gateway ``instance_id`` at ``url`` is certainly gone: the port refuses
+        connections (killed), or another gateway answers there (killed and restarted).
+        One that answers as itself, or not within the timeout (stopped, starting, or
+        unreachable for a while), may still hold its responses: their leases decide."""
+        try:
+            r = await self.http.get(url + "/ready", timeout=OWNER_PROBE_TIMEOUT)
+            answering = r.json().get("gateway")
+        except httpx.ConnectError:
+            return True
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        return isinstance(answering, str) and answering != instance_id
 
     async def start(self) -> None:
         await self.router.start()

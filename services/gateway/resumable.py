@@ -10,7 +10,10 @@ attached, until the response ends, is cancelled (``cancel``: seen with the next
 lease renewal) or its lease is lost (another gateway took it over: fencing).
 
 When a follower finds the response unfinished and nobody holding its lease (its
-owner died), it takes the lease and continues the response here: the kind's
+owner died and the lease lapsed), or its owner gone though the lease has not lapsed
+yet (the owner's address refuses connections, or another gateway answers there: a
+killed gateway, restarted or not, so a client that reconnects at once does not wait
+out the lease), it takes the lease and continues the response here: the kind's
 ``rebuild`` regenerates the same event sequence from the request and the token ids
 already logged (replayed, not computed), then from new tokens a decode instance
 computes from there, and the events the log already holds are skipped, so the
@@ -46,7 +49,7 @@ from shared.cluster.event_log import (
 )
 
 log = logging.getLogger(__name__)
-READ_BLOCK_MS = 500  # a follower's wait for the next event before it checks the owner
+READ_BLOCK_MS = 250  # a follower's wait for the next event before it checks the owner
 APPEND_ATTEMPTS = 4  # a broken connection is retried (Redis restarted, a network blip)
 RETRY_S = 0.1  # times the attempt number, between attempts
 
@@ -77,6 +80,9 @@ class EventSource(Protocol):
 
 # (the record, the token ids logged, which take-over this is) -> its events again
 Rebuild = Callable[[ResponseRecord, list[int], int], Awaitable[EventSource]]
+# (an owner's address, its id) -> whether it is certainly gone (the address refuses
+# connections, or another gateway answers there: it was restarted)
+OwnerGone = Callable[[str, str], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -215,9 +221,19 @@ class Owned:
 class Resumables:
     """This gateway's resumable responses, and reading any response from the log."""
 
-    def __init__(self, log_: EventLog, owner_id: str, rebuild: dict[str, Rebuild]):
+    def __init__(
+        self,
+        log_: EventLog,
+        owner_id: str,
+        rebuild: dict[str, Rebuild],
+        *,
+        owner_url: str = "",
+        owner_gone: OwnerGone | None = None,
+    ):
         self.log = log_
         self.owner_id = owner_id
+        self.owner_url = owner_url  # where this gateway serves, for followers to check
+        self.owner_gone = owner_gone
         self.rebuild = rebuild  # per kind ("chat", "completion", "response")
         self.owned: dict[str, Owned] = {}
         self.renew_s = log_.lease_ms / 1000 / 3
@@ -227,7 +243,9 @@ class Resumables:
     ) -> Owned | None:
         """Produce a new response here; None when it cannot be logged (Redis down)."""
         try:
-            lease = await self.log.create(response_id, self.owner_id, tenant, request)
+            lease = await self.log.create(
+                response_id, self.owner_id, tenant, request, self.owner_url
+            )
         except (RedisError, OSError) as exc:
             log.warning("%s: not resumable, the log is unreachable: %s", response_id, exc)
             return None
@@ -245,13 +263,19 @@ class Resumables:
         if self.owned.get(owned.lease.response_id) is owned:
             del self.owned[owned.lease.response_id]
 
-    async def take_over(self, record: ResponseRecord) -> bool:
-        """Continue ``record``'s response here if its owner is gone (False: someone
-        holds it, or it ended meanwhile)."""
+    async def take_over(self, record: ResponseRecord, *, gone: bool = False) -> bool:
+        """Continue ``record``'s response here if its owner is gone (``gone``: found dead
+        though its lease has not lapsed; False: someone holds it, or it ended
+        meanwhile)."""
         rebuild = self.rebuild.get(str(record.request.get("kind")))
         if rebuild is None:
             return False
-        lease = await self.log.take_over(record.response_id, self.owner_id)
+        lease = await self.log.take_over(
+            record.response_id,
+            self.owner_id,
+            self.owner_url,
+            gone=record.lease if gone else None,
+        )
         if lease is None:
             return False
         log.warning(
@@ -299,8 +323,24 @@ class Resumables:
                 return  # expired meanwhile
             if (record.finished or record.truncated) and record.last_seq <= cursor:
                 return  # its end, or the end of what the log kept
-            if not record.finished and not await self.log.held(response_id):
+            if record.finished:
+                continue
+            if not await self.log.held(response_id):
                 await self.take_over(record)
+            elif await self._owner_gone(record):
+                await self.take_over(record, gone=True)
+
+    async def _owner_gone(self, record: ResponseRecord) -> bool:
+        """Whether the response's owner, another gateway, is certainly gone."""
+        if self.owner_gone is None or not record.owner_url or record.owner == self.owner_id:
+            return False
+        gone = await self.owner_gone(record.owner_url, record.owner)
+        if gone:
+            log.warning(
+                "%s: owner %s at %s is gone; taking it over before its lease lapses",
+                record.response_id, record.owner, record.owner_url,
+            )  # fmt: skip
+        return gone
 
     async def cancel(self, response_id: str) -> None:
         """Stop it wherever it is produced (here at once; elsewhere at its owner's next

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.cluster.membership import default_advertise_host
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATON_GATEWAY_", extra="ignore")
@@ -15,6 +17,9 @@ class GatewaySettings(BaseSettings):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
+    # where other gateways reach this one (recorded with each resumable response it
+    # produces, so a follower can tell at once that it is gone)
+    advertise_host: str = Field(default_factory=default_advertise_host)
     # comma-separated; empty = no authentication
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
     max_request_bytes: int = Field(default=1 << 20, ge=1024)

@@ -24,9 +24,9 @@ import json
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 import redis
@@ -264,7 +264,15 @@ def apply_fault(local: LocalCluster, name: str, fault: Fault) -> Callable[[], No
     return lambda: None
 
 
-def broken(results: list[StreamResult], expected: list[list[int]]) -> list[str]:
+class Streamed(Protocol):
+    """A stream's outcome as the checks read it (plain or resumable)."""
+
+    request: ChaosRequest
+    tokens: list[int]
+    error: str | None
+
+
+def broken(results: Sequence[Streamed], expected: list[list[int]]) -> list[str]:
     """One line per stream that failed or differs from the failure-free tokens."""
     out = []
     for i, (r, want) in enumerate(zip(results, expected, strict=True)):

@@ -15,10 +15,11 @@ Ownership and safety: only the holder of a live lease whose epoch is the record'
 may append (:meth:`EventLog.append` checks both inside one script, so an owner that
 lost its lease, e.g. paused past the TTL while another took over, appends nothing:
 fencing). An event is appended before any client is sent it, so every event a
-client saw is in the log. A taker (:meth:`EventLog.take_over`) gets the lease only
-once it has expired, and bumps the epoch. Every key expires ``retention_s`` after
-the last append; a log longer than ``max_events`` refuses more (its response goes
-on for the client attached, without resumption).
+client saw is in the log. A taker (:meth:`EventLog.take_over`) gets the lease once it
+has expired, or at once from an owner it found gone (its address, in the record,
+refuses connections: a killed gateway), and bumps the epoch either way. Every key
+expires ``retention_s`` after the last append; a log longer than ``max_events``
+refuses more (its response goes on for the client attached, without resumption).
 """
 
 from __future__ import annotations
@@ -63,14 +64,17 @@ for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[6]) end
 return seq
 """
 
-# KEYS: record, lease. ARGV: owner, lease ms. -> new epoch; 0: held or finished; -1: none
+# KEYS: record, lease. ARGV: owner, lease ms, owner's address, the lease value that may
+# be replaced ("": none, the lease must have expired). -> new epoch; 0: held by another
+# or finished; -1: no such response
 _TAKE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local held = redis.call('GET', KEYS[2])
+if held and held ~= ARGV[4] then return 0 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return 0 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('SET', KEYS[2], ARGV[1] .. ':' .. epoch, 'PX', ARGV[2])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_url', ARGV[3])
 return epoch
 """
 
@@ -121,6 +125,7 @@ class ResponseRecord:
     last_seq: int  # -1: no event yet
     owner: str
     epoch: int
+    owner_url: str  # where the owner serves ("": unknown), to tell it is gone
     cancel_requested: bool
     request: dict[str, Any]  # what the owner needs to rebuild the response
     finish: str | None  # why generation ended, once the event with its last token is in
@@ -129,6 +134,11 @@ class ResponseRecord:
     @property
     def finished(self) -> bool:
         return self.status != IN_PROGRESS
+
+    @property
+    def lease(self) -> Lease:
+        """The lease its owner holds (or held)."""
+        return Lease(self.response_id, self.owner, self.epoch)
 
 
 @dataclass(frozen=True)
@@ -170,9 +180,14 @@ class EventLog:
         ]
 
     async def create(
-        self, response_id: str, owner: str, tenant: str | None, request: dict[str, Any]
+        self,
+        response_id: str,
+        owner: str,
+        tenant: str | None,
+        request: dict[str, Any],
+        owner_url: str = "",
     ) -> Lease:
-        """A new response owned by ``owner`` (epoch 1)."""
+        """A new response owned by ``owner`` (epoch 1), which serves at ``owner_url``."""
         record, _, _, lease_key = self._keys(response_id)
         lease = Lease(response_id, owner, 1)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -183,6 +198,7 @@ class EventLog:
                     "status": IN_PROGRESS,
                     "seq": -1,
                     "owner": owner,
+                    "owner_url": owner_url,
                     "epoch": 1,
                     "cancel": 0,
                     "created": time.time(),
@@ -248,12 +264,16 @@ class EventLog:
             raise LeaseLostError(f"lease on {lease.response_id} lost (epoch {lease.epoch})")
         return answer == 2
 
-    async def take_over(self, response_id: str, owner: str) -> Lease | None:
-        """The lease, when its holder's has expired and the response is unfinished."""
+    async def take_over(
+        self, response_id: str, owner: str, owner_url: str = "", *, gone: Lease | None = None
+    ) -> Lease | None:
+        """The lease of an unfinished response, for ``owner`` (serving at ``owner_url``):
+        when its holder's has expired, or while it is still ``gone``'s (an owner the
+        caller found dead; its appends are fenced off by the new epoch)."""
         epoch = int(
             await self._take(
                 keys=[self.keys.response(response_id), self.keys.response_lease(response_id)],
-                args=[owner, self.lease_ms],
+                args=[owner, self.lease_ms, owner_url, gone.value if gone is not None else ""],
             )
         )
         return Lease(response_id, owner, epoch) if epoch > 0 else None
@@ -278,6 +298,7 @@ class EventLog:
             last_seq=int(f.get("seq", -1)),
             owner=f.get("owner", ""),
             epoch=int(f.get("epoch", 0)),
+            owner_url=f.get("owner_url", ""),
             cancel_requested=f.get("cancel") == "1",
             request=json.loads(f.get("request", "{}")),
             finish=f.get("finish") or None,

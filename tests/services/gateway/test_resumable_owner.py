@@ -113,3 +113,43 @@ async def test_a_follower_takes_over_a_response_whose_owner_stopped(log: EventLo
     assert await log.tokens("r3") == list(range(100, 108))
     record = await log.record("r3")
     assert record is not None and record.owner == "gw-b" and record.status == "completed"
+
+
+async def test_an_owner_found_gone_is_taken_over_without_waiting_out_its_lease(
+    client: aioredis.Redis, request: pytest.FixtureRequest
+) -> None:
+    """Gateway A was killed with a long lease left: B asks whether A's address is gone
+    (a killed gateway refuses connections) and continues at once. An owner that is
+    only slow (its address answers) keeps its response until the lease lapses."""
+    log = EventLog(client, Keys(f"o-{request.node.name}"), lease_s=60)
+    lease = await log.create("r4", "gw-a", None, {"kind": "fake"}, owner_url="http://a:8000")
+    for i in range(3):
+        await log.append(lease, i, f"e{i}", (100 + i,))
+    asked: list[str] = []
+    gone = {"http://a:8000": False}
+
+    async def owner_gone(url: str, owner: str) -> bool:
+        assert owner == "gw-a"
+        asked.append(url)
+        return gone[url]
+
+    async def rebuild(record: ResponseRecord, tokens: list[int], attempt: int) -> FakeSource:
+        return FakeSource(6)
+
+    b = Resumables(
+        log, "gw-b", rebuild={"fake": rebuild}, owner_url="http://b:8000", owner_gone=owner_gone
+    )
+    follower = b.follow("r4", after=2)
+    # alive and slow: asked, not taken (the read waits for events meanwhile)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(follower), 0.8)
+    assert asked and set(asked) == {"http://a:8000"}
+    record = await log.record("r4")
+    assert record is not None and record.owner == "gw-a"
+    gone["http://a:8000"] = True  # killed: the next look takes it over, 60 s lease or not
+    follower = b.follow("r4", after=2)
+    got = [e async for e in follower]
+    assert [e.data for e in got] == ["e3", "e4", "e5"]
+    record = await log.record("r4")
+    assert record is not None and (record.owner, record.owner_url) == ("gw-b", "http://b:8000")
+    assert record.epoch == 2 and record.status == "completed"

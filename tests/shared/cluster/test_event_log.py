@@ -75,6 +75,29 @@ async def test_an_owner_whose_lease_expired_is_fenced_once_another_takes_over(
     assert [e.data for e in await log.read("r3", -1)] == ["e0", "e1"]
 
 
+async def test_an_owner_found_gone_is_taken_over_before_its_lease_lapses(
+    log: EventLog,
+) -> None:
+    """A follower that found the owner dead (its address refuses connections) takes the
+    lease at once, but only from that owner: one that already moved on (a newer epoch,
+    another taker) is left alone. The old owner is fenced either way."""
+    old = await log.create("r5", "gw-a", None, {}, owner_url="http://10.0.0.1:8000")
+    await log.append(old, 0, "e0")
+    record = await log.record("r5")
+    assert record is not None and record.owner_url == "http://10.0.0.1:8000"
+    assert record.lease == old
+    assert await log.take_over("r5", "gw-b") is None  # the lease is still live
+    new = await log.take_over("r5", "gw-b", "http://10.0.0.2:8000", gone=record.lease)
+    assert new is not None and new.epoch == 2
+    with pytest.raises(LeaseLostError):
+        await log.append(old, 1, "late")
+    taken = await log.record("r5")
+    assert taken is not None and (taken.owner, taken.owner_url) == ("gw-b", "http://10.0.0.2:8000")
+    # a third gateway that saw gw-a gone too, a moment later, gets nothing: gw-b holds it
+    assert await log.take_over("r5", "gw-c", gone=old) is None
+    assert await log.append(new, 1, "e1") == 1
+
+
 async def test_the_last_event_ends_the_response_and_a_finished_one_cannot_be_taken(
     log: EventLog,
 ) -> None:
