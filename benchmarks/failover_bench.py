@@ -337,10 +337,15 @@ def gateway_ids(local: LocalCluster) -> dict[str, str]:
 
 
 async def gateway_fault(
-    local: LocalCluster, reqs: list[ChaosRequest], fault: chaos.Fault, after_tokens: int
+    local: LocalCluster,
+    reqs: list[ChaosRequest],
+    fault: chaos.Fault,
+    after_tokens: int,
+    spare: str | None,
 ) -> tuple[list[ResumedStream], str]:
     """Resumable streams through the balancer; once each has ``after_tokens``, the gateway
-    producing most of them gets ``fault``; every stream is read to its end."""
+    producing most of them (on a tie, not ``spare``) gets ``fault``; every stream is read
+    to its end."""
     async with httpx.AsyncClient(timeout=600) as http:
         streams = [ResumedStream(r, time.perf_counter()) for r in reqs]
         tasks = [
@@ -352,7 +357,9 @@ async def gateway_fault(
         owners = collections.Counter(s.owner for s in streams if s.owner is not None)
         if not owners:
             raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
-        victim = gateway_ids(local)[owners.most_common(1)[0][0]]
+        names = gateway_ids(local)
+        victim = max(owners, key=lambda o: (owners[o], names[o] != spare))
+        victim = names[victim]
         chaos.apply_fault(local, victim, fault)
         results = await asyncio.gather(*tasks)
     return list(results), victim
@@ -369,8 +376,9 @@ def run_gateway(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
             reqs = chaos.make_requests(
                 rng, args.streams, prompt_len=(100, 300), max_tokens=args.output_len
             )
+            last = rounds[-1]["victim"] if rounds else None  # the rounds roll over both
             results, victim = asyncio.run(
-                gateway_fault(local, reqs, args.fault, after_tokens=args.output_len // 4)
+                gateway_fault(local, reqs, args.fault, args.output_len // 4, spare=last)
             )
             bad = ref.broken(results)
             gaps = [g for r in results for g in r.gaps]

@@ -50,6 +50,8 @@ from shared.cluster.event_log import (
 
 log = logging.getLogger(__name__)
 READ_BLOCK_MS = 250  # a follower's wait for the next event before it checks the owner
+# ... the first time: a client reattaching often does so because its owner just died
+FIRST_READ_BLOCK_MS = 50
 APPEND_ATTEMPTS = 4  # a broken connection is retried (Redis restarted, a network blip)
 RETRY_S = 0.1  # times the attempt number, between attempts
 
@@ -301,9 +303,10 @@ class Resumables:
         over when its owner is gone."""
         cursor = after
         broken = 0
+        block_ms = FIRST_READ_BLOCK_MS
         while True:
             try:
-                events = await self.log.read(response_id, cursor, block_ms=READ_BLOCK_MS)
+                events = await self.log.read(response_id, cursor, block_ms=block_ms)
             except (RedisConnectionError, RedisTimeoutError):
                 broken += 1  # a broken connection is retried (Redis restarted, a blip)
                 if broken == APPEND_ATTEMPTS:
@@ -311,6 +314,7 @@ class Resumables:
                 await asyncio.sleep(RETRY_S * broken)
                 continue
             broken = 0
+            block_ms = READ_BLOCK_MS
             for ev in events:
                 yield ev
                 cursor = ev.seq
