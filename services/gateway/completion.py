@@ -122,6 +122,8 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
             "seed": spec.seed,
             "cache_salt": prepared.cache_salt,
             "created": prepared.created,
+            # the usage a take-over reports: the prompt's KV reused here, not on its replay
+            "cached_tokens": choices.cached_tokens,
         }
         owned = await gw.resumables.start(
             prepared.response_id, gw.tenant(api_key), recipe, RunSource(run)

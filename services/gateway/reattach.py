@@ -125,9 +125,9 @@ async def rebuild_run(
     gens = regenerate(gw, prepared, spec, tokens, record.finish, attempt)
     first = await anext(gens)
     gw.in_flight += 1
-    run = Run(
-        gw, Choices(prepared, gw.model.tokenizer), [first], [gens], Timeline(gw.metrics, None)
-    )
+    choices = Choices(prepared, gw.model.tokenizer)
+    choices.cached_tokens = int(req.get("cached_tokens") or 0)  # as the first owner found it
+    run = Run(gw, choices, [first], [gens], Timeline(gw.metrics, None))
     return RunSource(run)
 
 

@@ -298,11 +298,14 @@ def test_streams_whose_gateway_was_killed_are_continued_through_the_balancer(
     """Last in this module: two resumable streams (greedy and seeded) opened through the
     balancer; the gateway producing them is SIGKILLed mid-way; the client reconnects
     through the balancer with Last-Event-ID, the balancer sends it to the survivor,
-    which continues each stream from the log once the dead one's lease lapses, with
-    the tokens the in-process engine computes."""
+    which continues each stream from the log once it finds the dead one gone, with
+    the tokens the in-process engine computes, and the usage the first gateway saw
+    (the prompts' KV was cached by an earlier request: the take-over reports it)."""
     streams = []
     owners = set()
     for seed, prompt in ((None, list(range(200, 290))), (99, list(range(300, 350)))):
+        warm = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        assert httpx.post(gateways.front + "/v1/completions", json=warm, headers=auth()).is_success
         payload = body(prompt, seed, max_tokens=160)
         got: list[Event] = []
         with httpx.stream(
@@ -332,3 +335,9 @@ def test_streams_whose_gateway_was_killed_are_continued_through_the_balancer(
         assert [e.seq for e in rest] == list(range(8, 8 + len(rest)))
         assert rest[-1].data == "[DONE]"
         assert tokens_of(got + rest) == expected(engine, prompt, seed, max_tokens=160)
+        usage = next(
+            json.loads(e.data)["usage"]
+            for e in rest
+            if e.data != "[DONE]" and json.loads(e.data).get("usage")
+        )
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 32, usage
