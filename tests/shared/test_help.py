@@ -36,7 +36,7 @@ def test_every_option_of_every_command_shows_its_default() -> None:
             if "default" not in formatter._expand_help(action):
                 missing.append(name)
     assert commands == ["baton", "baton model", "baton model pull", "baton generate",
-                        "baton up", "baton status", "baton bench",
+                        "baton up", "baton status", "baton secret", "baton bench",
                         "baton profile", "baton plan"]  # fmt: skip
     assert not missing, f"options whose --help shows no default: {missing}"
 
