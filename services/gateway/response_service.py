@@ -297,6 +297,8 @@ async def rebuild_response(
     prepared, spec = _prepare(gw, body, req["request_id"], None)
     spec = spec.model_copy(update={"seed": req["seed"]})
     prepared = replace(prepared, cache_salt=req["cache_salt"], created=req["created"])
-    return ResponseSource(
+    source = ResponseSource(
         gw, body, prepared, spec, tokens=tokens, finish=record.finish, attempt=attempt
     )
+    source.ev.cached_tokens = record.cached_tokens or 0  # as its first owner found it
+    return source

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -299,12 +300,16 @@ async def response_events(
         yield ev
     pending: list[int] = []
     finish: str | None = None
+    first = True  # the first delta logs the prompt tokens reused (for a take-over)
     try:
         async for text, token, finish in steps:
             pending.append(token)
             events.output_tokens += 1
             if text or finish is not None:
-                yield events.delta(text, tuple(pending), finish)
+                ev = events.delta(text, tuple(pending), finish)
+                if first:
+                    ev, first = replace(ev, cached_tokens=events.cached_tokens), False
+                yield ev
                 pending = []
             if finish is not None:
                 break

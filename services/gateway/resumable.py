@@ -64,6 +64,7 @@ class Emitted:
     tokens: tuple[int, ...] = ()  # token ids generated since the previous event
     finish: str | None = None  # generation ended with the last of ``tokens``, so
     status: str | None = None  # on the last event: the response's final status
+    cached_tokens: int | None = None  # prompt tokens whose KV was reused, once known
 
 
 class EventSource(Protocol):
@@ -172,8 +173,9 @@ class Owned:
         while True:
             try:
                 seq = await self.log.append(
-                    self.lease, self.next_seq, ev.data, ev.tokens, ev.status, ev.finish
-                )
+                    self.lease, self.next_seq, ev.data, ev.tokens, ev.status, ev.finish,
+                    ev.cached_tokens,
+                )  # fmt: skip
                 self.next_seq = seq + 1
                 return seq
             except (RedisConnectionError, RedisTimeoutError, OSError):

@@ -40,7 +40,8 @@ IN_PROGRESS = "in_progress"
 # KEYS: record, events, tokens, lease.
 # ARGV: lease value, epoch, data, token ids (comma-separated), max events, retention ms,
 # status to set ("" none), the generation's finish reason ("" none), the sequence
-# number the event must get (a retry of an append that landed returns it again)
+# number the event must get (a retry of an append that landed returns it again), the
+# prompt tokens whose KV was reused ("" not known yet)
 _APPEND = """
 if redis.call('GET', KEYS[4]) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
@@ -55,6 +56,7 @@ end
 redis.call('XADD', KEYS[2], (seq + 1) .. '-0', 'd', ARGV[3], 's', ARGV[7])
 redis.call('HSET', KEYS[1], 'seq', seq)
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'finish', ARGV[8]) end
+if ARGV[10] ~= '' then redis.call('HSET', KEYS[1], 'cached', ARGV[10]) end
 for id in string.gmatch(ARGV[4], '[^,]+') do redis.call('RPUSH', KEYS[3], id) end
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'status', ARGV[7])
@@ -130,6 +132,7 @@ class ResponseRecord:
     request: dict[str, Any]  # what the owner needs to rebuild the response
     finish: str | None  # why generation ended, once the event with its last token is in
     truncated: bool  # the log refused events past its cap: it ends before the response
+    cached_tokens: int | None = None  # prompt tokens whose KV was reused, once known
 
     @property
     def finished(self) -> bool:
@@ -218,12 +221,14 @@ class EventLog:
         tokens: Sequence[int] = (),
         status: str | None = None,
         finish: str | None = None,
+        cached_tokens: int | None = None,
     ) -> int:
         """Event ``data`` (carrying ``tokens``) as sequence number ``seq``, the next one
         (the owner, sole writer, knows it); appending it again after a lost reply
         changes nothing (safe to retry). ``status``: the response ends with it (the
         lease is released); ``finish``: its last token is among ``tokens``, and
-        generation ended so. Returns ``seq``."""
+        generation ended so; ``cached_tokens``: the prompt tokens whose KV was reused
+        (what a take-over reports). Returns ``seq``."""
         answer = int(
             await self._append(
                 keys=self._keys(lease.response_id),
@@ -237,6 +242,7 @@ class EventLog:
                     status or "",
                     finish or "",
                     seq,
+                    "" if cached_tokens is None else cached_tokens,
                 ],
             )
         )
@@ -303,6 +309,7 @@ class EventLog:
             request=json.loads(f.get("request", "{}")),
             finish=f.get("finish") or None,
             truncated=f.get("truncated") == "1",
+            cached_tokens=int(f["cached"]) if "cached" in f else None,
         )
 
     async def first_seq(self, response_id: str) -> int | None:

@@ -107,6 +107,25 @@ async def test_events_are_numbered_carry_their_tokens_and_repeat_exactly() -> No
     assert [e.data for e in await sequence(items)] == [e.data for e in first]  # deterministic
 
 
+async def test_the_first_delta_carries_the_reused_prompt_tokens_for_a_take_over() -> None:
+    """Logged with the first delta (the record keeps it): a gateway that takes the
+    response over reports the usage its first owner saw, not its own replay's."""
+    ev = ResponseEvents(request(max_output_tokens=3), "resp_abc", 1700000000, 5)
+
+    async def cached_steps() -> AsyncIterator[tuple[str, int, str | None]]:
+        ev.cached_tokens = 4  # known with the first token, as the handoff reports it
+        for item in [("Hel", 11, None), ("lo", 13, "length")]:
+            yield item
+
+    out = [e async for e in response_events(ev, cached_steps())]
+    deltas = [e for e in out if data(e)["type"] == "response.output_text.delta"]
+    assert [e.cached_tokens for e in deltas] == [4, None]
+    assert all(e.cached_tokens is None for e in out if e not in deltas)
+    final = data(out[-1])["response"]
+    assert isinstance(final, dict)
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 4}
+
+
 async def test_a_poll_sees_the_text_so_far_then_the_final_response() -> None:
     events = [e.data for e in await sequence([("Hel", 11, None), ("lo", 13, "stop")])]
     partial = fold(events[:5])

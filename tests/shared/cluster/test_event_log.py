@@ -98,6 +98,17 @@ async def test_an_owner_found_gone_is_taken_over_before_its_lease_lapses(
     assert await log.append(new, 1, "e1") == 1
 
 
+async def test_the_reused_prompt_tokens_are_kept_with_the_record(log: EventLog) -> None:
+    lease = await log.create("r6", "gw-a", None, {})
+    await log.append(lease, 0, "created")
+    record = await log.record("r6")
+    assert record is not None and record.cached_tokens is None  # not known yet
+    await log.append(lease, 1, "first delta", tokens=[7], cached_tokens=32)
+    await log.append(lease, 2, "next delta", tokens=[8])
+    record = await log.record("r6")
+    assert record is not None and record.cached_tokens == 32
+
+
 async def test_the_last_event_ends_the_response_and_a_finished_one_cannot_be_taken(
     log: EventLog,
 ) -> None:
