@@ -13,14 +13,15 @@ Rounds alternate on/off so the noisy VM hits both alike; ratios are per round.
   sessions; :mod:`shared.bench.prefix_trace`), store larger than its working
   set: reused tokens against the infinite-cache oracle, the router's predicted
   cached tokens against those actually reused, and how evenly the prefill
-  instances shared the work (tokens each computed, max over mean).
+  instances shared the work (tokens each computed, max over mean); ``--gateways N``
+  routes it through N gateways behind the balancer (round robin).
 - ``crossover``: pull or recompute a cached prefix of P tokens: the prefill
   compute time of P cached + 16 new tokens on a prefill instance that holds
   nothing locally, with ``BATON_PREFILL_PULL_POLICY=always`` and ``never``.
 
     python -m benchmarks.caching_bench multi-turn --rounds 2
     python -m benchmarks.caching_bench no-reuse --rounds 2
-    python -m benchmarks.caching_bench trace
+    python -m benchmarks.caching_bench trace [--gateways 2]
     python -m benchmarks.caching_bench crossover
 """
 
@@ -58,12 +59,13 @@ def cluster(
     prefill: int = 2,
     decode: int = 2,
     kvstore_gb: float = 2.0,
+    gateways: int = 1,
     **env: str,
 ) -> AbstractContextManager[LocalCluster]:
     """The cluster; ``args.logs`` keeps its services' logs (info level) there."""
     return bench_cluster(
         args.logs, "caching", env, prefill=prefill, decode=decode, kv_cache_gb=1.0,
-        kvstore_gb=kvstore_gb, prefix_caching=caching,
+        kvstore_gb=kvstore_gb, prefix_caching=caching, gateways=gateways,
     )  # fmt: skip
 
 
@@ -233,17 +235,10 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
         max_output=args.output_len,
     )
     working_set = len({r.hash_ids[: k + 1] for r in rows for k in range(len(r.hash_ids))})
-    with cluster(args, True, kvstore_gb=args.store_gb) as local:
-        gw = local.gateway_url
-        before = {
-            o: metric_sum(gw, "baton_router_predictions_total", f'outcome="{o}"')
-            for o in ("exact", "over", "under")
-        }
+    with cluster(args, True, kvstore_gb=args.store_gb, gateways=args.gateways) as local:
+        before = prediction_counts(local)
         results, duration = run(local, run_open_loop, specs, lambda: None, None)
-        after = {
-            o: metric_sum(gw, "baton_router_predictions_total", f'outcome="{o}"')
-            for o in ("exact", "over", "under")
-        }
+        after = prediction_counts(local)
         work = [metric_sum(u, "baton_engine_step_tokens_total") for u in urls(local, "prefill")]
         evictions = sum(
             metric_sum(u, "baton_kvstore_evictions_total") for u in urls(local, "kvstore")
@@ -254,6 +249,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(predictions.values()) or 1.0
     out = {
         "requests": len(specs),
+        "gateways": args.gateways,
         "working_set_blocks": working_set,
         "store_evictions": evictions,
         "hit_rate": s.cache.hit_rate if s.cache else None,
@@ -270,6 +266,17 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(json.dumps({k: v for k, v in out.items()}, indent=1))
     return out
+
+
+def prediction_counts(local: LocalCluster) -> dict[str, float]:
+    """The router's cached-token predictions so far by outcome, over every gateway."""
+    return {
+        o: sum(
+            metric_sum(u, "baton_router_predictions_total", f'outcome="{o}"')
+            for u in urls(local, "gateway")
+        )
+        for o in ("exact", "over", "under")
+    }
 
 
 # -- pull or recompute ----------------------------------------------------------------------------
@@ -349,6 +356,7 @@ def main() -> None:
     ap.add_argument("--trace-block", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=2048)
     ap.add_argument("--store-gb", type=float, default=2.0)
+    ap.add_argument("--gateways", type=int, default=1, help="trace: gateways behind the balancer")
     ap.add_argument("--prefixes", default="16,32,64,128,256,512,1024")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
