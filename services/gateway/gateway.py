@@ -36,6 +36,7 @@ from shared.cluster import redis_client
 from shared.cluster.auth import ClusterSecret
 from shared.cluster.block_index import BlockIndex
 from shared.cluster.event_log import EventLog
+from shared.cluster.in_flight import InFlightIndex
 from shared.cluster.keys import Keys
 from shared.cluster.slo import publish as publish_slo
 from shared.cluster.watermarks import Watermarks
@@ -75,6 +76,7 @@ class Gateway:
         self.redis = redis_client.connect(cluster.redis_url)
         self.keys = keys = Keys(cluster.redis_prefix)
         index = BlockIndex(self.redis, keys, cluster.index_ttl_s)
+        in_flight = InFlightIndex(self.redis, keys)
         self.router = Router(
             self.redis,
             keys,
@@ -91,8 +93,13 @@ class Gateway:
                 baton.slo(), step_bound_given="lend_decode_step_s" in settings.model_fields_set
             ),
             member_ttl_s=cluster.member_ttl_s,
+            in_flight=in_flight if baton.enable_prefix_caching else None,
         )
-        self.locator = PrefixLocator(index, enabled=baton.enable_prefix_caching)
+        self.locator = PrefixLocator(
+            index,
+            enabled=baton.enable_prefix_caching,
+            in_flight=in_flight,
+        )
         self.http = httpx.AsyncClient(  # internal calls: they present the cluster secret
             headers=ClusterSecret(cluster.secret).headers(),
             timeout=httpx.Timeout(settings.worker_timeout_s, connect=2.0),

@@ -126,6 +126,7 @@ class Handoff:
             pick = self.router.pick(role, cost, tried, hits, alongside)
             instance = pick.member.instance_id
             try:
+                await self.router.share(pick)  # before it is sent: other gateways see it
                 stream = await open_stream(self.http, pick.url + path, payload, request_id, role)
             except (httpx.TransportError, ServiceError) as exc:
                 pick.done()

@@ -11,6 +11,7 @@ blocks a prefill may reuse: the last prompt token is always computed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from shared.cluster.block_index import BlockIndex
+from shared.cluster.in_flight import InFlightIndex, in_flight_prefixes
 from shared.kv.block_hash import BlockHasher
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ class PrefixHits:
     store: int = 0
     # the keys (hex) of every full block of the prompt: what it leaves cached once computed
     keys: tuple[str, ...] = ()
+    # per instance, leading tokens a prompt routed there (by any gateway) is computing
+    computing: Mapping[str, int] = field(default_factory=dict)
 
     def cached(self, instance_id: str) -> int:
         """Tokens ``instance_id`` would not compute: its own blocks, or pulled ones."""
@@ -43,16 +47,17 @@ class PrefixHits:
         local = dict(self.local)
         for iid, tokens in extra.items():
             local[iid] = max(local.get(iid, 0), tokens)
-        return PrefixHits(local, self.store, self.keys)
+        return PrefixHits(local, self.store, self.keys, self.computing)
 
 
 NO_HITS = PrefixHits()
 
 
 class PrefixLocator:
-    def __init__(self, index: BlockIndex, *, enabled: bool):
+    def __init__(self, index: BlockIndex, *, enabled: bool, in_flight: InFlightIndex | None = None):
         self.index = index
         self.enabled = enabled
+        self.in_flight = in_flight  # prompts other gateways routed, and still computing
         self._hasher: BlockHasher | None = None
 
     def hasher(self, namespace: str, block_size: int) -> BlockHasher:
@@ -78,12 +83,21 @@ class PrefixLocator:
         if usable <= 0:
             return PrefixHits(keys=ids)
         try:
-            rows = await self.index.holders(ids[:usable])
+            rows, computing = await asyncio.gather(
+                self.index.holders(ids[:usable]), self._computing(ids[:usable])
+            )
         except (RedisError, OSError) as exc:  # degraded: route without cache locality
             log.warning("prompt index unreachable; routing without it: %s", exc)
             return PrefixHits(keys=ids)
         found = hits_from_holders(rows, live, block_size)
-        return PrefixHits(found.local, found.store, ids)
+        workers = {iid for iid, role in live.items() if role != STORE_ROLE}
+        blocks = in_flight_prefixes(computing, workers)
+        return PrefixHits(
+            found.local, found.store, ids, {k: v * block_size for k, v in blocks.items()}
+        )
+
+    async def _computing(self, ids: Sequence[str]) -> list[set[str]]:
+        return await self.in_flight.computing(ids) if self.in_flight is not None else []
 
 
 def hits_from_holders(

@@ -38,8 +38,10 @@ from redis.exceptions import RedisError
 from services.gateway.lending import LendPolicy, other_role, serving
 from services.gateway.prefix_locator import NO_HITS, STORE_ROLE, PrefixHits
 from shared.cluster.block_index import BlockIndex
+from shared.cluster.in_flight import InFlightIndex
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Endpoint, LastKnown, Member, live_members
+from shared.serving.background import Background
 from shared.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class Pick:
             self.cost = 0.0
         if self.finished_at is None:
             self.finished_at = time.monotonic()
+            self.router.ended(self)
 
 
 class Router:
@@ -92,6 +95,7 @@ class Router:
         reap_s: float = 10.0,
         lend: LendPolicy | None = None,
         member_ttl_s: float = 5.0,
+        in_flight: InFlightIndex | None = None,
     ):
         self.redis = redis
         self.keys = keys
@@ -107,6 +111,8 @@ class Router:
         self.local: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.picked: defaultdict[str, int] = defaultdict(int)  # ties go to the least picked
         self.in_flight: defaultdict[str, list[Pick]] = defaultdict(list)  # prefill picks
+        self.shared = in_flight  # the same, of every gateway, in Redis
+        self._marks = Background()
         # instance id -> (the process benched, until when): a restart ends the bench
         self.benched: dict[str, tuple[Endpoint, float]] = {}
         self.redis_ok = False
@@ -173,6 +179,30 @@ class Router:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._marks.drain(1.0)
+
+    async def share(self, pick: Pick) -> None:
+        """Tell the other gateways that ``pick``'s instance is computing its prompt
+        (before the prompt is sent, so no later prompt misses it)."""
+        if self.shared is None or not pick.keys:
+            return
+        try:
+            await self.shared.started(pick.member.instance_id, pick.keys)
+        except (RedisError, OSError) as exc:  # degraded: the other gateways route blind
+            log.debug("could not share an in-flight prompt: %s", exc)
+
+    def ended(self, pick: Pick) -> None:
+        if self.shared is None or not pick.keys:
+            return
+        shared = self.shared
+
+        async def lapse() -> None:
+            try:
+                await shared.ended(pick.member.instance_id, pick.keys)
+            except (RedisError, OSError) as exc:  # its entries lapse on their own
+                log.debug("could not end an in-flight prompt: %s", exc)
+
+        self._marks.spawn(lapse(), "in-flight-ended")
 
     def live(self, role: str) -> list[Member]:
         now = time.monotonic()
@@ -189,6 +219,14 @@ class Router:
         """Whether ``instance_id`` is in membership now (its heartbeat key is alive), benched
         here or not: a bench says it refused a connection, not that it is gone."""
         return any(m.instance_id == instance_id for m in self.members[role])
+
+    def step_s(self, member: Member) -> float:
+        """How long ``member``'s engine steps take lately, as it last published."""
+        current = next(
+            (m for m in self.members.get(member.role, ()) if m.instance_id == member.instance_id),
+            member,
+        )
+        return current.load.get("step_s", 0.0)
 
     def live_roles(self) -> dict[str, str]:
         """Instance id -> role of every live instance (stores included)."""
@@ -280,7 +318,11 @@ class Router:
 
     def _pick_prompt(self, role: str, members: list[Member], n: int, hits: PrefixHits) -> Pick:
         usable = (n - 1) // self.block_size * self.block_size if self.block_size else 0
-        in_flight = {m.instance_id: self._in_flight_prefix(m, hits) for m in members}
+        shared = hits.computing  # what every gateway routed, as read with the index
+        in_flight = {
+            m.instance_id: max(self._in_flight_prefix(m, hits), shared.get(m.instance_id, 0))
+            for m in members
+        }
         hits = hits.with_local({iid: min(t, usable) for iid, t in in_flight.items()})
         queued = {m.instance_id: self.score(m, role) for m in members}
         bound = min(queued.values()) + self.balance_tokens

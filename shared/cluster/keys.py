@@ -29,6 +29,11 @@ class Keys:
         """A running request's replication watermark (see shared.cluster.watermarks)."""
         return f"{self.prefix}:wm:{request_id}"
 
+    def in_flight(self, block_id: str) -> str:
+        """The prefill instances computing a prompt with block ``block_id`` (a sorted set
+        scored by when each entry lapses; see shared.cluster.in_flight)."""
+        return f"{self.prefix}:inflight:{block_id}"
+
     def holders(self) -> str:
         """The set of instance ids that have entries in the prompt index."""
         return f"{self.prefix}:holders"
