@@ -38,6 +38,7 @@ from shared.serving.protocol import (
 log = logging.getLogger(__name__)
 HANG_CHECK_S = 0.25  # how often a silent stream's instance is checked for liveness
 RETRY_S = 0.5  # between attempts to find a decode instance to resume on
+STEPS_OF_SILENCE = 3.0  # a stream silent for this many of its instance's steps is hung
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,10 @@ OpenDecode = Callable[[DecodeRequest, set[str]], Awaitable[tuple[Pick, WorkerStr
 class FailoverPolicy:
     progress_timeout_s: float = 60.0  # bound on handing over the first token, and on a resume
     # a stream that sends nothing this long (no token, no keepalive: a decode instance
-    # sends one every 0.25 s while its engine makes progress) is hung: stopped
-    # (SIGSTOP), or its engine thread stuck; it is resumed elsewhere
-    silence_s: float = 1.5
+    # sends one every 0.25 s while its engine makes progress), nor for 3 of its
+    # instance's recent steps, is hung: stopped (SIGSTOP), or its engine thread stuck;
+    # it is resumed elsewhere
+    silence_s: float = 0.75
     failover_timeout_s: float = 60.0  # give up when no instance took the request for this long
     max_resumes: int = 16  # a request that keeps failing everywhere is not a failover
 
@@ -127,12 +129,14 @@ class DecodeSession:
     async def _first_delivered(self, sent: asyncio.Task[None]) -> None:
         """The first token reached the instance; a hung one is given up like in _read."""
         started = time.monotonic()
+        checks = 0
         while not sent.done():
             await asyncio.wait({sent}, timeout=HANG_CHECK_S)
             if sent.done():
                 break
             # the instance's event loop answers at once (it only hands the token over)
-            stalled = time.monotonic() - started > self.policy.silence_s
+            checks += 1
+            stalled = self._stalled(time.monotonic() - started, checks)
             if stalled or not self._alive():
                 sent.cancel()
                 raise _Interrupted("stalled" if stalled else "hung")
@@ -145,13 +149,15 @@ class DecodeSession:
 
     async def _read(self) -> AsyncGenerator[Token, None]:
         last = time.monotonic()
+        empty = 0  # checks in a row that found nothing
         while True:
             try:
                 event = await self.stream.next(HANG_CHECK_S)
             except TimeoutError:
                 if not self._alive():
                     raise _Interrupted("hung") from None
-                if time.monotonic() - last > self.policy.silence_s:
+                empty += 1
+                if self._stalled(time.monotonic() - last, empty):
                     raise _Interrupted("stalled") from None
                 continue
             except ServiceError as exc:
@@ -160,7 +166,7 @@ class DecodeSession:
                 if exc.status >= 500:  # the instance failed the request (engine error)
                     raise _Interrupted("failed") from exc
                 raise
-            last = time.monotonic()
+            last, empty = time.monotonic(), 0
             if isinstance(event, WaitingEvent):
                 continue  # queued or preempted there, and its engine is stepping
             if isinstance(event, MigrateEvent):
@@ -168,6 +174,16 @@ class DecodeSession:
             if not isinstance(event, TokenEvent):
                 raise ServiceError(502, f"decode sent {event.event} instead of a token")
             yield Token(event.token, event.finish_reason)
+
+    def _stalled(self, silent_s: float, empty: int) -> bool:
+        """Whether a stream silent this long, found empty by this many checks in a row,
+        is hung: silent past the bound (the policy's, or a few of its instance's recent
+        step times where those are longer: a step that long between tokens is progress),
+        counted in checks too, so that a stall of this gateway's own event loop (one late
+        check, with the events waiting in the socket) is not taken for the instance's."""
+        step_s = self.router.step_s(self.pick.member)
+        bound = max(self.policy.silence_s, STEPS_OF_SILENCE * step_s)
+        return silent_s > bound and empty * HANG_CHECK_S >= bound
 
     def _alive(self) -> bool:
         return self.router.registered(self.pick.member.role, self.pick.member.instance_id)
