@@ -33,9 +33,19 @@ process (greedy and seeded): a broken stream is an error or any token that diffe
   :mod:`shared.bench.resume_client`) reconnects through the balancer with
   ``Last-Event-ID``. Broken streams, and the resume gap of every stream that lost its
   connection (noticing the break to the next event); the supervisor restarts the
-  gateway between rounds, so the rounds roll over both.
+  gateway between rounds, so the rounds roll over both. ``--api responses``: the
+  same with background Responses API streams read by the official SDK, resumed with
+  ``responses.stream(response_id=..., starting_after=N)`` (:mod:`benchmarks.responses_client`),
+  each text checked against the in-process engine's on the prompt the gateway templates.
 
     python -m benchmarks.failover_bench gateway --fault kill --rounds 20 --streams 4
+    python -m benchmarks.failover_bench gateway --api responses --rounds 20 --streams 4
+
+- ``gateway-rolling``: both gateways drained (SIGTERM) and restarted in turn,
+  ``--gateway-rounds`` times, under a steady load of ``--streams`` resumable streams
+  through the balancer; broken streams, and the gaps of those that reconnected.
+
+    python -m benchmarks.failover_bench gateway-rolling --gateway-rounds 3 --streams 4
 """
 
 from __future__ import annotations
@@ -48,14 +58,16 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+from openai import AsyncOpenAI
 
 from benchmarks.bench_cluster import bench_cluster
+from benchmarks.responses_client import ResponsesCase, ResumedResponse, read_response
 from benchmarks.results import save_json
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench import chaos
@@ -147,6 +159,7 @@ def run_chaos(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
     worst = [r["worst_gap_s"] for r in rounds]
     every = [g for r in rounds for g in r["gaps_s"]]
     return {
+        "api": args.api,
         "fault": args.fault,
         "rounds": len(rounds),
         "streams": len(rounds) * args.streams,
@@ -357,12 +370,97 @@ async def gateway_fault(
         owners = collections.Counter(s.owner for s in streams if s.owner is not None)
         if not owners:
             raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
-        names = gateway_ids(local)
-        victim = max(owners, key=lambda o: (owners[o], names[o] != spare))
-        victim = names[victim]
+        victim = busiest_gateway(local, owners, spare)
         chaos.apply_fault(local, victim, fault)
         results = await asyncio.gather(*tasks)
     return list(results), victim
+
+
+def busiest_gateway(
+    local: LocalCluster, owners: collections.Counter[str], spare: str | None
+) -> str:
+    """The gateway producing most streams (on a tie, not ``spare``), by its name."""
+    names = gateway_ids(local)
+    return names[max(owners, key=lambda o: (owners[o], names[o] != spare))]
+
+
+async def responses_fault(
+    local: LocalCluster,
+    cases: list[ResponsesCase],
+    fault: chaos.Fault,
+    after_events: int,
+    spare: str | None,
+) -> tuple[list[ResumedResponse], str]:
+    """:func:`gateway_fault` through the official SDK's Responses API: background
+    responses streamed through the balancer, resumed with ``responses.stream(
+    response_id=..., starting_after=...)``."""
+    client = AsyncOpenAI(
+        base_url=local.gateway_url + "/v1", api_key="none", max_retries=0, timeout=600
+    )
+    async with client:
+        streams = [ResumedResponse(c) for c in cases]
+        tasks = [asyncio.create_task(read_response(client, MODEL, s)) for s in streams]
+        pairs = list(zip(streams, tasks, strict=True))
+        while not all(len(s.seqs) >= after_events or t.done() for s, t in pairs):
+            await asyncio.sleep(0.02)
+        owners = collections.Counter(s.owner for s in streams if s.owner is not None)
+        if not owners:
+            raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
+        victim = busiest_gateway(local, owners, spare)
+        chaos.apply_fault(local, victim, fault)
+        results = await asyncio.gather(*tasks)
+    return list(results), victim
+
+
+WORDS = (
+    "river stone lantern harbor orchard copper meadow signal winter canvas engine "
+    "garden thunder paper island violet market bridge falcon silver shadow morning"
+)
+
+
+def responses_cases(rng: random.Random, n: int, max_tokens: int) -> list[ResponsesCase]:
+    """``n`` unique text prompts of 60-200 words; every other one seeded, the rest greedy."""
+    words = WORDS.split()
+    return [
+        ResponsesCase(
+            "Write a short story using these words: "
+            + " ".join(rng.choice(words) for _ in range(rng.randint(60, 200))),
+            max_tokens,
+            rng.randrange(1 << 30) if i % 2 else None,
+        )
+        for i in range(n)
+    ]
+
+
+def responses_broken(
+    local: LocalCluster, ref: Reference, results: list[ResumedResponse]
+) -> list[str]:
+    """Each response's text against the same engine's, in this process, on the prompt
+    the gateway templates from its input (read back as token ids from the chat API)."""
+    reqs = []
+    for r in results:
+        chat = httpx.post(
+            local.gateway_url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": r.case.input}],
+                "max_completion_tokens": 1,
+                "return_token_ids": True,
+            },
+            timeout=120,
+        )
+        chat.raise_for_status()
+        prompt = chat.json()["prompt_token_ids"]
+        reqs.append(ChaosRequest(prompt, r.case.max_output_tokens, r.case.seed, ignore_eos=False))
+    expected = chaos.reference(ref.engine, reqs)
+    out = []
+    for i, (r, want) in enumerate(zip(results, expected, strict=True)):
+        text = ref.engine.tokenizer.decode(want)
+        if r.error is not None:
+            out.append(f"response {i}: {r.error}")
+        elif r.text != text or r.output_tokens != len(want):
+            out.append(f"response {i}: {r.output_tokens} tokens, text differs: {r.text[:80]!r}")
+    return out
 
 
 def run_gateway(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
@@ -377,10 +475,18 @@ def run_gateway(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
                 rng, args.streams, prompt_len=(100, 300), max_tokens=args.output_len
             )
             last = rounds[-1]["victim"] if rounds else None  # the rounds roll over both
-            results, victim = asyncio.run(
-                gateway_fault(local, reqs, args.fault, args.output_len // 4, spare=last)
-            )
-            bad = ref.broken(results)
+            results: list[ResumedStream] | list[ResumedResponse]
+            if args.api == "responses":
+                cases = responses_cases(rng, args.streams, args.output_len)
+                results, victim = asyncio.run(
+                    responses_fault(local, cases, args.fault, args.output_len // 4, spare=last)
+                )
+                bad = responses_broken(local, ref, results)
+            else:
+                results, victim = asyncio.run(
+                    gateway_fault(local, reqs, args.fault, args.output_len // 4, spare=last)
+                )
+                bad = ref.broken(results)
             gaps = [g for r in results for g in r.gaps]
             rounds.append({"victim": victim, "broken": bad, "gaps_s": gaps})
             worst = max(gaps, default=0.0)
@@ -388,6 +494,7 @@ def run_gateway(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
                   f"broken {len(bad)}, worst gap {worst:.3f}s", flush=True)  # fmt: skip
     every = [g for r in rounds for g in r["gaps_s"]]
     return {
+        "api": args.api,
         "fault": args.fault,
         "rounds": len(rounds),
         "streams": len(rounds) * args.streams,
@@ -399,6 +506,66 @@ def run_gateway(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def run_gateway_rolling(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
+    """Every gateway drained (SIGTERM) and restarted in turn, ``--gateway-rounds`` times
+    over, under a steady load of ``--streams`` resumable streams through the balancer."""
+    with cluster(args, prefill=1, gateways=2) as sup:
+        local = sup.local
+        chaos.settle(local)
+        chaos.wait_ready(local, "gateway")
+        started = time.monotonic()
+
+        async def restarts() -> None:
+            for _ in range(args.gateway_rounds):
+                await chaos.rolling_restart(local, ("gateway",))
+
+        results = asyncio.run(
+            resumable_under_load(local, load_requests(args), args.streams, restarts)
+        )
+        took = time.monotonic() - started
+    bad = ref.broken(results)
+    resumed = [r for r in results if r.gaps]
+    print(
+        f"rolling restart of 2 gateways x {args.gateway_rounds} in {took:.0f}s: "
+        f"{len(results)} streams, {len(resumed)} resumed, {len(bad)} broken",
+        flush=True,
+    )
+    return {
+        "restarts": 2 * args.gateway_rounds,
+        "streams": len(results),
+        "resumed": len(resumed),
+        "broken": bad,
+        "gaps_s": [g for r in resumed for g in r.gaps],
+    }
+
+
+async def resumable_under_load(
+    local: LocalCluster,
+    requests: Iterator[ChaosRequest],
+    concurrency: int,
+    during: Callable[[], Awaitable[None]],
+) -> list[ResumedStream]:
+    """Run ``during`` while ``concurrency`` clients keep resumable streams going through
+    the balancer (each sends its next request as soon as its last ended)."""
+    results: list[ResumedStream] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def client() -> None:
+            while not stop.is_set() and (req := next(requests, None)) is not None:
+                out = ResumedStream(req, time.perf_counter())
+                results.append(out)
+                await read_resumable(http, local.gateway_url, MODEL, out)
+
+        tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+        while sum(len(r.tokens) for r in results) < 3 * concurrency:
+            await asyncio.sleep(0.05)
+        await during()
+        stop.set()
+        await asyncio.gather(*tasks)
+    return results
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] = {
     "chaos": run_chaos,
     "e2e": run_e2e,
@@ -408,6 +575,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Reference], dict[str, Any]]] 
     "redis": run_redis,
     "soak": run_soak,
     "gateway": run_gateway,
+    "gateway-rolling": run_gateway_rolling,
 }
 
 
@@ -415,6 +583,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     p.add_argument("--fault", choices=["kill", "stop", "term"], default="kill")
+    p.add_argument(
+        "--api", choices=["completions", "responses"], default="completions",
+        help="gateway: resumable completions (the reference client) or background "
+        "Responses API streams (the official SDK)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--streams", type=int, default=4, help="concurrent streams")
     p.add_argument("--output-len", type=int, default=96)
@@ -422,6 +595,10 @@ def main() -> None:
     p.add_argument(
         "--duration", type=float, default=30.0, help="replication, soak: seconds of load"
     )
+    p.add_argument(
+        "--gateway-rounds", type=int, default=3,
+        help="gateway-rolling: times every gateway is restarted",
+    )  # fmt: skip
     p.add_argument("--hold", type=float, default=30.0, help="store: seconds of load after the kill")
     p.add_argument("--down", type=float, default=10.0, help="seconds Redis is down")
     p.add_argument("--prompt", type=int, default=2048, help="soak: prompt tokens")

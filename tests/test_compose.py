@@ -36,7 +36,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.completion import GATEWAY_HEADER
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench.chaos import (
     ChaosRequest,
@@ -55,6 +54,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.launcher import COMPOSE_SECRET_FILE
 from shared.model.loader import load_model
 from shared.procs import free_port
+from shared.serving.protocol import GATEWAY_HEADER
 from tests.conftest import CHAT_FRANCE
 from tests.services.conftest import MODEL
 

@@ -22,7 +22,7 @@ from services.gateway.resumable import Emitted, Owned
 from services.gateway.timeline import Timeline
 from shared.logs import request_id_var
 from shared.serving.errors import classify, error_body, error_response
-from shared.serving.protocol import BATON_REQUEST_ID_HEADER, REQUEST_ID_HEADER
+from shared.serving.protocol import BATON_REQUEST_ID_HEADER, GATEWAY_HEADER, REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,6 @@ async def serve(gw: Gateway, kind: Kind, request: Request) -> Response:
     return await run.whole(headers)
 
 
-GATEWAY_HEADER = "X-Baton-Gateway"
 RESUMABLE_OFF = 'event: baton.resumable\ndata: {"resumable": false}\n\n'
 
 

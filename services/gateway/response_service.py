@@ -38,7 +38,7 @@ from services.gateway.timeline import Timeline
 from shared.cluster.event_log import ResponseRecord
 from shared.logs import request_id_var
 from shared.serving.errors import ServiceError, error_response
-from shared.serving.protocol import SamplingSpec
+from shared.serving.protocol import GATEWAY_HEADER, SamplingSpec
 
 KINDS = ("response",)
 
@@ -125,6 +125,7 @@ def _prepare(
 async def create(gw: Gateway, request: Request) -> Response:
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
+    served_by = {GATEWAY_HEADER: gw.instance_id}  # which replica produces it
     try:
         api_key = gw.check_auth(request)
         raw = await gw.read_body(request)
@@ -155,21 +156,23 @@ async def create(gw: Gateway, request: Request) -> Response:
                 503, "background responses need the event log (Redis)", code="redis_unavailable"
             )
         )
-    if body.background:
+    if body.background and not body.stream:
         if owned is not None:
             await owned.local.get()  # response.created is logged: a poll finds it
             owned.detach()  # nobody reads it here: the log holds it
-        return JSONResponse(source.ev.response("in_progress"))
+        return JSONResponse(source.ev.response("in_progress"), headers=served_by)
+    # background and streamed: the events as they are made, and when the client goes
+    # away the response goes on (it resumes with ``starting_after``), as OpenAI's does
     if body.stream:
         events = _delivered(owned) if owned is not None else _direct(source)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=served_by)
     last: str | None = None
     async for data in _delivered(owned) if owned is not None else _direct(source):
         last = data
     final = fold([last]) if last is not None else None
     if final is None:
         return error_response(ServiceError(502, "the response ended without an answer"))
-    return JSONResponse(final)
+    return JSONResponse(final, headers=served_by)
 
 
 async def _delivered(owned: Owned) -> AsyncIterator[str]:
@@ -200,7 +203,9 @@ async def retrieve(gw: Gateway, response_id: str, request: Request) -> Response:
         if stream == "true":
             await check_cursor(gw.resumables, record, after, "starting_after")
             return StreamingResponse(
-                _followed(gw, response_id, after), media_type="text/event-stream"
+                _followed(gw, response_id, after),
+                media_type="text/event-stream",
+                headers={GATEWAY_HEADER: gw.instance_id},
             )
         events = await _all_events(gw, response_id)
     except ServiceError as exc:

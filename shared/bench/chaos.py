@@ -64,17 +64,18 @@ class ChaosRequest:
     max_tokens: int
     seed: int | None  # None: greedy
     json_schema: dict[str, Any] | None = None  # the output constrained to this schema
+    ignore_eos: bool = True  # False: it may end early, as an API without the option does
 
     def params(self) -> SamplingParams:
         constraint = None if self.json_schema is None else Constraint.json_schema(self.json_schema)
         if self.seed is None:
             return SamplingParams(
-                max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True,
+                max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
                 constraint=constraint,
             )  # fmt: skip
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=0.8, top_p=0.95, seed=self.seed,
-            ignore_eos=True, constraint=constraint,
+            ignore_eos=self.ignore_eos, constraint=constraint,
         )  # fmt: skip
 
     def body(self, model: str) -> dict[str, object]:
@@ -82,7 +83,7 @@ class ChaosRequest:
             "model": model,
             "prompt": self.prompt,
             "max_tokens": self.max_tokens,
-            "ignore_eos": True,
+            "ignore_eos": self.ignore_eos,
             "stream": True,
             "return_token_ids": True,
             "temperature": 0.0 if self.seed is None else 0.8,

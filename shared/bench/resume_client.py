@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from shared.bench.chaos import ChaosRequest
+from shared.serving.protocol import GATEWAY_HEADER
 
-GATEWAY_HEADER = "X-Baton-Gateway"  # which gateway produced (or serves) a stream
 RETRY_S = 0.05  # between reconnection attempts
 RETRIED_STATUS = frozenset({502, 503})  # the balancer had no live gateway for a moment
 

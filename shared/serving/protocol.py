@@ -26,6 +26,7 @@ from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 REQUEST_ID_HEADER = "X-Request-Id"
 BATON_REQUEST_ID_HEADER = "X-Baton-Request-Id"  # the gateway's own id, when a client sent its own
+GATEWAY_HEADER = "X-Baton-Gateway"  # which gateway replica produced (or serves) a response
 
 
 class _Wire(BaseModel):

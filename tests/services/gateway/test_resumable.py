@@ -210,6 +210,11 @@ def test_the_responses_api_through_the_official_sdk(gateways: TwoGateways) -> No
     assert streamed[0].type == "response.created" and streamed[-1].type.startswith("response.")
     text = "".join(e.delta for e in streamed if e.type == "response.output_text.delta")
     assert text == whole.output_text
+    # background and streamed: the events as they are made (resumable like any stored one)
+    live = list(client.responses.create(**ask, background=True, stream=True))
+    assert [e.sequence_number for e in live] == list(range(len(live)))
+    assert live[0].type == "response.created" and live[0].response.background
+    assert "".join(e.delta for e in live if e.type == "response.output_text.delta") == text
 
     started = client.responses.create(**ask, background=True)
     assert started.status == "in_progress" and started.background
