@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="manage models")
     msub = model.add_subparsers(dest="model_command", required=True)
+    msub.add_parser("list", help="the model families and GGUF quantizations Baton serves")
     pull = msub.add_parser("pull", help="fetch and convert the embedded default model")
     _settings_args(pull)
     pull.add_argument(
@@ -298,6 +299,15 @@ def _settings(args: argparse.Namespace) -> BatonSettings:
     if getattr(args, "device", None):
         overrides["device"] = args.device
     return BatonSettings(**overrides)  # type: ignore[arg-type]
+
+
+def cmd_model_list() -> int:
+    from shared.model.families import table
+
+    for row in table():
+        width = max(len(k) for k in row)
+        print("\n".join(f"{k:<{width}}  {v}" for k, v in row.items()), end="\n\n")
+    return 0
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
@@ -548,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "model":
-            return cmd_model_pull(args)
+            return cmd_model_list() if args.model_command == "list" else cmd_model_pull(args)
         if args.command == "up":
             return cmd_up(args)
         if args.command == "status":

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import ModelFormatError, UnsupportedModelError
+from shared.model import families
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 
 
@@ -44,14 +44,7 @@ class LlamaArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
-        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-        if (
-            not any(a in SUPPORTED_ARCHITECTURES for a in archs)
-            and cfg.get("model_type") != "llama"
-        ):
-            raise UnsupportedModelError(
-                f"architecture {archs} is not supported; Baton implements {SUPPORTED_ARCHITECTURES}"
-            )
+        families.for_hf(cfg)  # refuses what Baton does not serve, listing what it does
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])

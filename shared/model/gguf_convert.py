@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ModelFormatError, UnsupportedModelError
+from shared.model import families
 from shared.model.arch import LlamaArch, RopeScaling
 from shared.model.gguf_tokenizer import build_tokenizer
 
@@ -70,11 +71,6 @@ def _fields(reader: Any) -> dict[str, Any]:
 
 
 def _arch_from_meta(meta: dict[str, Any], has_output: bool) -> LlamaArch:
-    arch_name = meta.get("general.architecture")
-    if arch_name != "llama":
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch_name!r} is not supported (Baton implements 'llama')"
-        )
 
     def req(key: str) -> Any:
         if f"llama.{key}" not in meta:
@@ -121,6 +117,8 @@ def read_gguf(path: Path) -> GGUFModel:
 
     reader = _open(path)
     meta = _fields(reader)
+    families.for_gguf(meta.get("general.architecture"))  # before anything is read
+    families.check_gguf_types((t.name, t.tensor_type.name) for t in reader.tensors)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise UnsupportedModelError(

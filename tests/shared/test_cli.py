@@ -158,3 +158,30 @@ def test_secret_leaves_the_given_or_a_kept_secret_in_a_file(
     short = baton("secret", str(path), cache_dir=cache_dir, env={"BATON_CLUSTER_SECRET": "x"})
     assert short.returncode == 2
     assert "fewer than 16 characters" in short.stderr and "Traceback" not in short.stderr
+
+
+def test_model_list_names_the_families_and_quantizations(tmp_path: Path) -> None:
+    proc = baton("model", "list", cache_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "llama" in proc.stdout and "LlamaForCausalLM" in proc.stdout
+    assert "Q4_K" in proc.stdout
+
+
+def test_an_unsupported_architecture_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType
+
+    from tests.shared.model.tiny_gguf import hf_weights, write_tiny_gguf
+
+    path = tmp_path / "other.gguf"
+    write_tiny_gguf(path, hf_weights(), GGMLQuantizationType.F32, arch="gemma3")
+    port = "18431"
+    proc = baton("up", "--model", str(path), "--port", port, cache_dir=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'gemma3' is not supported" in lines[0], proc.stderr
+    assert "Baton serves llama" in lines[0]
+    assert not list((tmp_path / "converted").glob("*"))  # nothing converted
+    import socket
+
+    with socket.socket() as s:  # and nothing listens where the gateway would
+        assert s.connect_ex(("127.0.0.1", int(port))) != 0
