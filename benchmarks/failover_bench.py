@@ -159,7 +159,6 @@ def run_chaos(args: argparse.Namespace, ref: Reference) -> dict[str, Any]:
     worst = [r["worst_gap_s"] for r in rounds]
     every = [g for r in rounds for g in r["gaps_s"]]
     return {
-        "api": args.api,
         "fault": args.fault,
         "rounds": len(rounds),
         "streams": len(rounds) * args.streams,
