@@ -35,7 +35,8 @@ def test_every_option_of_every_command_shows_its_default() -> None:
                 continue  # a flag (off unless given), or nothing to default to
             if "default" not in formatter._expand_help(action):
                 missing.append(name)
-    assert commands == ["baton", "baton model", "baton model pull", "baton generate",
+    assert commands == ["baton", "baton model", "baton model list", "baton model pull",
+                        "baton generate",
                         "baton up", "baton status", "baton secret", "baton bench",
                         "baton profile", "baton plan"]  # fmt: skip
     assert not missing, f"options whose --help shows no default: {missing}"
