@@ -139,7 +139,10 @@ def read_gguf(path: Path) -> GGUFModel:
         "bos_token": token("bos"),
         "eos_token": token("eos"),
         "pad_token": token("padding"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        "add_bos_token": bool(
+            meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        ),
     }
     gen_cfg = {
         "bos_token_id": None if bos_id is None else int(bos_id),
