@@ -58,7 +58,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -363,24 +363,33 @@ async def gateway_fault(
         tasks = [
             asyncio.create_task(read_resumable(http, local.gateway_url, MODEL, s)) for s in streams
         ]
-        pairs = list(zip(streams, tasks, strict=True))
-        while not all(len(s.tokens) >= after_tokens or t.done() for s, t in pairs):
-            await asyncio.sleep(0.02)
-        owners = collections.Counter(s.owner for s in streams if s.owner is not None)
-        if not owners:
-            raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
-        victim = busiest_gateway(local, owners, spare)
-        chaos.apply_fault(local, victim, fault)
+        victim = await fault_busiest(
+            local, streams, tasks, lambda s: len(s.tokens), fault, after_tokens, spare
+        )
         results = await asyncio.gather(*tasks)
     return list(results), victim
 
 
-def busiest_gateway(
-    local: LocalCluster, owners: collections.Counter[str], spare: str | None
+async def fault_busiest(
+    local: LocalCluster,
+    streams: Sequence[ResumedStream] | Sequence[ResumedResponse],
+    tasks: list[asyncio.Task[Any]],
+    progress: Callable[[Any], int],
+    fault: chaos.Fault,
+    after: int,
+    spare: str | None,
 ) -> str:
-    """The gateway producing most streams (on a tie, not ``spare``), by its name."""
+    """Once every stream's ``progress`` reached ``after`` (or it ended), ``fault`` the
+    gateway producing most of them (on a tie, not ``spare``); returns its name."""
+    while not all(progress(s) >= after or t.done() for s, t in zip(streams, tasks, strict=True)):
+        await asyncio.sleep(0.02)
+    owners = collections.Counter(s.owner for s in streams if s.owner is not None)
+    if not owners:
+        raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
     names = gateway_ids(local)
-    return names[max(owners, key=lambda o: (owners[o], names[o] != spare))]
+    victim = names[max(owners, key=lambda o: (owners[o], names[o] != spare))]
+    chaos.apply_fault(local, victim, fault)
+    return victim
 
 
 async def responses_fault(
@@ -399,14 +408,9 @@ async def responses_fault(
     async with client:
         streams = [ResumedResponse(c) for c in cases]
         tasks = [asyncio.create_task(read_response(client, MODEL, s)) for s in streams]
-        pairs = list(zip(streams, tasks, strict=True))
-        while not all(len(s.seqs) >= after_events or t.done() for s, t in pairs):
-            await asyncio.sleep(0.02)
-        owners = collections.Counter(s.owner for s in streams if s.owner is not None)
-        if not owners:
-            raise RuntimeError(f"no stream started: {[s.error for s in streams]}")
-        victim = busiest_gateway(local, owners, spare)
-        chaos.apply_fault(local, victim, fault)
+        victim = await fault_busiest(
+            local, streams, tasks, lambda s: len(s.seqs), fault, after_events, spare
+        )
         results = await asyncio.gather(*tasks)
     return list(results), victim
 
