@@ -61,13 +61,14 @@ class CountedPrefill(PrefillAttention):
         v_pool: torch.Tensor,
         seg: PrefillSegment,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         n, heads, head_dim = q.shape
         prefix = seg.context_len - n
         pairs = n * prefix + n * (n + 1) // 2
         self.flops += 4.0 * heads * head_dim * pairs
         out: torch.Tensor = self.clock.timed(
-            "attention", self.inner, q, new_k, new_v, k_pool, v_pool, seg, scale
+            "attention", self.inner, q, new_k, new_v, k_pool, v_pool, seg, scale, window
         )
         return out
 

@@ -76,9 +76,10 @@ class TimedDecode(DecodeAttention):
         v_pool: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         out: torch.Tensor = self.clock.timed(
-            "attention", self.inner, q, k_pool, v_pool, batch, scale
+            "attention", self.inner, q, k_pool, v_pool, batch, scale, window
         )
         return out
 

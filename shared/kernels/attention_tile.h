@@ -18,6 +18,11 @@
  *            interleaved in pairs, in key order, times 1 / sum, rounded to
  *            bf16 once.
  *
+ * A sliding window (window > 0) gives keys before a row's window probability
+ * +0, as keys past its end; a tile's keys then start at its first row's window
+ * start, rounded down to tile_align(), so decode's lone row and a prefill tile
+ * put each key in the same lane and pair.
+ *
  * Every row runs the same instructions on the same values whichever tile,
  * block or pass it is in: a key past a row's end has probability +0 (and
  * adding +0 leaves any finite sum unchanged), keys at or past the context's
@@ -46,6 +51,25 @@ INLINE int tile_supports(int64_t d, int64_t block_size) {
 }
 
 INLINE int64_t keys_padded(int64_t len) { return (len + 15) / 16 * 16; }
+
+/* Windowed rows start their keys at a multiple of this (16 keys a vector, whole
+ * blocks), so a key falls in the same lane and pair wherever a tile starts. */
+INLINE int64_t tile_align(int64_t block_size) {
+    int64_t a = 16, b = block_size;
+    while (b) {
+        int64_t r = a % b;
+        a = b;
+        b = r;
+    }
+    return 16 / a * block_size;
+}
+
+/* Lanes of the 16 keys from t on that are at or after `first`. */
+INLINE __mmask16 keys_from(int64_t t, int64_t first) {
+    if (first <= t) return (__mmask16)0xffff;
+    if (first >= t + 16) return 0;
+    return (__mmask16)(0xffffu << (first - t));
+}
 
 /* Prompt tokens per prefill tile for a KV head's `group` query heads. */
 INLINE int64_t tile_tokens(int64_t group) { return group >= TILE_ROWS ? 1 : TILE_ROWS / group; }
@@ -212,18 +236,24 @@ DEFINE_TILE_SCORES(scores_3, 3)
 DEFINE_TILE_SCORES(scores_2, 2)
 DEFINE_TILE_SCORES(scores_1, 1)
 
-/* One row's scores (len of them) to bf16 probabilities p (+0 from len to
- * `width` + 2); returns 1 / the sum of the rounded probabilities. */
-INLINE float row_softmax(const float *s, int64_t len, uint16_t *p, int64_t width) {
+/* One row's scores (len of them) to bf16 probabilities p (+0 before `first`,
+ * the row's window, and from len to `width` + 2); returns 1 / the sum of the
+ * rounded probabilities. */
+INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p,
+                         int64_t width) {
     __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1u);
     int64_t full = len / 16 * 16;
     __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < full; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
-    if (tail) vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, s + full));
+    for (int64_t t = 0; t < full; t += 16)
+        vmx = _mm512_mask_max_ps(vmx, keys_from(t, first), vmx, _mm512_loadu_ps(s + t));
+    if (tail) {
+        __mmask16 m = tail & keys_from(full, first);
+        vmx = _mm512_mask_max_ps(vmx, m, vmx, _mm512_maskz_loadu_ps(m, s + full));
+    }
     __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 live = t < full ? (__mmask16)0xffff : tail;
+        __mmask16 live = (t < full ? (__mmask16)0xffff : tail) & keys_from(t, first);
         __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mx));
         __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, e));
         _mm256_storeu_si256((__m256i *)(p + t), h);
@@ -344,9 +374,9 @@ INLINE void scores_rows(const int32_t *q, int64_t nr, const int32_t *kt, int64_t
  * table. */
 INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int64_t group,
                       const int32_t *kt, int64_t width, const uint16_t *k, const uint16_t *v,
-                      uint16_t *out, const int64_t *table, int64_t len0, int64_t block_size,
-                      int64_t block_stride, int64_t tok_stride, const int64_t d, float scale,
-                      float *scratch) {
+                      uint16_t *out, const int64_t *table, int64_t len0, int64_t window,
+                      int64_t block_size, int64_t block_stride, int64_t tok_stride,
+                      const int64_t d, float scale, float *scratch) {
     const int64_t rows = ntok * group, len = len0 + ntok - 1, pad = keys_padded(len);
     float *s = scratch;                               /* [rows][pad] scores */
     uint16_t *p = (uint16_t *)(s + rows * pad);       /* [rows][pad + 2] probabilities */
@@ -382,7 +412,9 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
         float inv[SCORE_ROWS];
         for (int64_t i = 0; i < nr; i++) {
             int64_t r = r0 + i;
-            inv[i] = row_softmax(sr + i * pad, len0 + r / group, p + r * p_stride, pad);
+            int64_t len_r = len0 + r / group;
+            inv[i] = row_softmax(sr + i * pad, window_start(len_r, window), len_r,
+                                 p + r * p_stride, pad);
         }
         /* values for this block's rows, in passes of what the registers hold */
         const int64_t per_pass = VALUE_ACC / (d / 16);
@@ -411,12 +443,12 @@ __attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok
                                                 int64_t width, const uint16_t *k,
                                                 const uint16_t *v, uint16_t *out,
                                                 const int64_t *table, int64_t len0,
-                                                int64_t block_size, int64_t block_stride,
-                                                int64_t tok_stride, int64_t d, float scale,
-                                                float *scratch) {
+                                                int64_t window, int64_t block_size,
+                                                int64_t block_stride, int64_t tok_stride,
+                                                int64_t d, float scale, float *scratch) {
 #define BODY(D)                                                                             \
-    tile_body(q, q_tok_stride, ntok, group, kt, width, k, v, out, table, len0, block_size,   \
-              block_stride, tok_stride, D, scale, scratch)
+    tile_body(q, q_tok_stride, ntok, group, kt, width, k, v, out, table, len0, window,       \
+              block_size, block_stride, tok_stride, D, scale, scratch)
     if (d == 64) BODY(64);
     else if (d == 128) BODY(128);
     else BODY(d);

@@ -34,11 +34,30 @@
 
 #include "vector_math.h"
 
-/* One (sequence, KV head) pair: its `group` query heads over `len` tokens.
+/* Sliding windows (window > 0): a token at position len - 1 attends to positions
+ * window_start(len, window) .. len - 1; window 0 means the whole context. */
+INLINE int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* A per-token task's keys: whole blocks before the window are skipped (`skip`
+ * tokens), the `first` keys left before it get probability 0. Decode and
+ * prefill compute the same span for a token, so its row stays bitwise equal. */
+typedef struct {
+    int64_t skip, first;
+} Span;
+INLINE Span window_span(int64_t len, int64_t window, int64_t block_size) {
+    int64_t lo = window_start(len, window);
+    Span sp = {lo / block_size * block_size, lo % block_size};
+    return sp;
+}
+
+/* One (sequence, KV head) pair: its `group` query heads over `len` tokens, of
+ * which the first `first` are outside the window (probability 0).
  * scratch holds group * (d + ceil(len / block_size) * block_size) floats. */
 #define DEFINE_HEAD(NAME, T, LOAD, STORE)                                                  \
     INLINE void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
-                     int64_t len, int64_t block_size, int64_t block_stride,                \
+                     int64_t len, int64_t first, int64_t block_size, int64_t block_stride, \
                      int64_t tok_stride, int64_t group, const int64_t d, float scale,      \
                      float *scratch) {                                                     \
         float *acc = scratch;            /* [group, d] */                                  \
@@ -57,10 +76,11 @@
                 }                                                                          \
             }                                                                              \
             float *sg = s + g * len;                                                       \
-            float mx = sg[0];                                                              \
-            for (int64_t t = 1; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;                \
+            float mx = sg[first];                                                          \
+            for (int64_t t = first + 1; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;        \
             float sum = 0.f;                                                               \
-            for (int64_t t = 0; t < len; t++) {                                            \
+            for (int64_t t = 0; t < first; t++) sg[t] = 0.f;                               \
+            for (int64_t t = first; t < len; t++) {                                        \
                 sg[t] = exp_nonpositive(sg[t] - mx);                                       \
                 sum += sg[t];                                                              \
             }                                                                              \
@@ -223,7 +243,7 @@ INLINE float vsoftmax_unnormalized(float *s, int64_t len) {
  * group * (d + 1 + ceil(len / block_size) * block_size) floats. */
 #define DEFINE_HEAD_V(NAME, T, SCORES, VALUES, LOAD)                                        \
     INLINE void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
-                     int64_t len, int64_t block_size, int64_t block_stride,                \
+                     int64_t len, int64_t first, int64_t block_size, int64_t block_stride, \
                      int64_t tok_stride, int64_t group, const int64_t gc, const int64_t d, \
                      float scale, float *scratch) {                                        \
         float *qf = scratch;             /* [group, d] */                                   \
@@ -233,7 +253,10 @@ INLINE float vsoftmax_unnormalized(float *s, int64_t len) {
         for (int64_t g = 0; g < group; g += gc)                                            \
             SCORES(qf + g * d, k, table, len, block_size, block_stride, tok_stride, gc, d, \
                    s + g * len, len);                                                      \
-        for (int64_t g = 0; g < group; g++) inv[g] = vsoftmax_unnormalized(s + g * len, len); \
+        for (int64_t g = 0; g < group; g++) {                                              \
+            for (int64_t t = 0; t < first; t++) s[g * len + t] = 0.f; /* before the window */ \
+            inv[g] = vsoftmax_unnormalized(s + g * len + first, len - first);             \
+        }                                                                                  \
         for (int64_t g = 0; g < group; g += gc)                                            \
             VALUES(s + g * len, len, v, table, len, block_size, block_stride, tok_stride,  \
                    gc, d, inv + g, out + g * d);                                           \
@@ -276,12 +299,12 @@ DEFINE_HEAD_V(vhead_bf16, uint16_t, scores_bf16, values_bf16, bf16_to_f32)
 #define VECTOR_PATH(VHEAD)
 #endif
 
-#define ARGS q, k, v, out, table, len, block_size, block_stride, tok_stride
+#define ARGS q, k, v, out, table, len, first, block_size, block_stride, tok_stride
 /* noinline: decode and prefill call this one compiled copy, so no caller's
  * inlining (and FP contraction) can make their arithmetic differ. */
 #define DEFINE_TASK(NAME, T, HEAD, VHEAD)                                                   \
     __attribute__((noinline)) static void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table,    \
-                     int64_t len, int64_t block_size, int64_t block_stride,                \
+                     int64_t len, int64_t first, int64_t block_size, int64_t block_stride, \
                      int64_t tok_stride, int64_t group, int64_t d, float scale,            \
                      float *scratch) {                                                     \
         VECTOR_PATH(VHEAD)                                                                  \
@@ -303,7 +326,7 @@ DEFINE_TASK(task_bf16, uint16_t, head_bf16, vhead_bf16)
     int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *tables,          \
              const int64_t *lens, int64_t batch, int64_t width, int64_t heads,            \
              int64_t kv_heads, int64_t d, int64_t block_size, int64_t block_stride,       \
-             float scale, int threads) {                                                  \
+             float scale, int64_t window, int threads) {                                  \
         if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0) return 1; \
         int64_t group = heads / kv_heads, tok_stride = kv_heads * d;                      \
         int64_t per_thread = group * (d + 1 + width * block_size);                        \
@@ -317,8 +340,10 @@ DEFINE_TASK(task_bf16, uint16_t, head_bf16, vhead_bf16)
                 for (int64_t h = 0; h < kv_heads; h++) {                                  \
                     if (scratch == NULL || lens[b] <= 0) continue;                        \
                     int64_t off = (b * heads + h * group) * d;                            \
-                    TASK(q + off, k + h * d, v + h * d, out + off, tables + b * width,    \
-                         lens[b], block_size, block_stride, tok_stride, group, d, scale,  \
+                    Span sp = window_span(lens[b], window, block_size);                   \
+                    TASK(q + off, k + h * d, v + h * d, out + off,                        \
+                         tables + b * width + sp.skip / block_size, lens[b] - sp.skip,    \
+                         sp.first, block_size, block_stride, tok_stride, group, d, scale, \
                          scratch);                                                        \
                 }                                                                         \
             free(scratch);                                                                \
@@ -337,11 +362,12 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
                             uint16_t *out, const int64_t *tables, const int64_t *lens,
                             int64_t batch, int64_t width, int64_t heads, int64_t kv_heads,
                             int64_t d, int64_t block_size, int64_t block_stride, float scale,
-                            int threads) {
+                            int64_t window, int threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0) return 1;
     if (!tile_supports(d, block_size))
         return decode_bf16_untiled(q, k, v, out, tables, lens, batch, width, heads, kv_heads, d,
-                                   block_size, block_stride, scale, threads);
+                                   block_size, block_stride, scale, window, threads);
+    int64_t align = tile_align(block_size);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, most = width * block_size;
     int64_t per_thread = rows_scratch_floats(group, most, d);
     int failed = 0;
@@ -354,9 +380,10 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
             for (int64_t h = 0; h < kv_heads; h++) {
                 if (scratch == NULL || lens[b] <= 0) continue;
                 int64_t off = (b * heads + h * group) * d;
+                int64_t ks = window_start(lens[b], window) / align * align;
                 tile_bf16(q + off, heads * d, 1, group, NULL, 0, k + h * d, v + h * d,
-                          out + off, tables + b * width, lens[b], block_size, block_stride,
-                          tok_stride, d, scale, scratch);
+                          out + off, tables + b * width + ks / block_size, lens[b] - ks,
+                          window, block_size, block_stride, tok_stride, d, scale, scratch);
             }
     }
     return failed ? 2 : 0;
@@ -370,7 +397,8 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
 #define DEFINE_PREFILL(NAME, TASK, T)                                                      \
     int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table, int64_t n, \
              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t d,             \
-             int64_t block_size, int64_t block_stride, float scale, int threads) {        \
+             int64_t block_size, int64_t block_stride, float scale, int64_t window,       \
+             int threads) {                                                               \
         if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0 ||        \
             n <= 0 || n > context_len)                                                    \
             return 1;                                                                     \
@@ -388,7 +416,9 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
                 for (int64_t h = 0; h < kv_heads; h++) {                                  \
                     if (scratch == NULL) continue;                                        \
                     int64_t off = (t * heads + h * group) * d;                            \
-                    TASK(q + off, k + h * d, v + h * d, out + off, table, prefix + t + 1, \
+                    Span sp = window_span(prefix + t + 1, window, block_size);            \
+                    TASK(q + off, k + h * d, v + h * d, out + off,                        \
+                         table + sp.skip / block_size, prefix + t + 1 - sp.skip, sp.first, \
                          block_size, block_stride, tok_stride, group, d, scale, scratch); \
                 }                                                                         \
             free(scratch);                                                                \
@@ -407,13 +437,14 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
                              uint16_t *out, const int64_t *table, int64_t n,
                              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t d,
                              int64_t block_size, int64_t block_stride, float scale,
-                             int threads) {
+                             int64_t window, int threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0 || n <= 0 ||
         n > context_len)
         return 1;
     if (!tile_supports(d, block_size))
         return prefill_bf16_untiled(q, k, v, out, table, n, context_len, heads, kv_heads, d,
-                                    block_size, block_stride, scale, threads);
+                                    block_size, block_stride, scale, window, threads);
+    int64_t align = tile_align(block_size);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, prefix = context_len - n;
     int64_t per = tile_tokens(group), tiles = (n + per - 1) / per;
     int64_t pad = keys_padded(context_len), kw = keys_width(context_len);
@@ -439,10 +470,12 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
                 if (scratch == NULL) continue;
                 int64_t t0 = i * per, nt = n - t0 < per ? n - t0 : per;
                 int64_t off = (t0 * heads + h * group) * d;
-                tile_bf16(q + off, heads * d, nt, group, kt + h * head_keys, kw, k + h * d,
-                          v + h * d,
-                          out + off, table, prefix + t0 + 1, block_size, block_stride,
-                          tok_stride, d, scale, scratch);
+                /* keys from the first row's window on, at decode's aligned start */
+                int64_t ks = window_start(prefix + t0 + 1, window) / align * align;
+                tile_bf16(q + off, heads * d, nt, group, kt + h * head_keys + ks, kw,
+                          k + h * d, v + h * d, out + off, table + ks / block_size,
+                          prefix + t0 + 1 - ks, window, block_size, block_stride, tok_stride,
+                          d, scale, scratch);
             }
     }
     return failed ? 2 : 0;

@@ -26,7 +26,7 @@ from shared.kernels.build import build_library
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
 _WRITE_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _P,
     _P,
@@ -73,13 +73,17 @@ class PagedDecodeKernel:
         lens: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> None:
         """``q``/``out``: ``[B, heads, head_dim]``; pools: one layer's
         ``[blocks, block_size, kv_heads, head_dim]`` views (blocks may be strided);
-        ``tables``: ``[B, W]`` int64 block ids; ``lens``: ``[B]`` int64 context lengths."""
+        ``tables``: ``[B, W]`` int64 block ids; ``lens``: ``[B]`` int64 context lengths;
+        ``window``: each row attends to its newest ``window`` tokens (None: all)."""
         b, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_pool.shape
         _check(q, k_pool, v_pool, tables, lens, out)
+        refuse("paged decode kernel", [(window is not None and window <= 0, "window <= 0")])
         rc = self._entry[q.dtype](
             q.data_ptr(),
             k_pool.data_ptr(),
@@ -95,6 +99,7 @@ class PagedDecodeKernel:
             block_size,
             k_pool.stride(0),
             scale,
+            window or 0,  # 0: no window
             torch.get_num_threads(),
         )
         check_return("paged decode kernel", rc)

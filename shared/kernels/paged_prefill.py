@@ -27,7 +27,7 @@ from shared.kernels.build import build_library
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
 
 
 class PagedPrefillKernel:
@@ -57,10 +57,13 @@ class PagedPrefillKernel:
         context_len: int,
         scale: float,
         out: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> None:
         """``q``/``out``: ``[n, heads, head_dim]``, the newest ``n`` tokens of a
         sequence of ``context_len``; ``table``: its int64 block ids; pools: one
-        layer's ``[blocks, block_size, kv_heads, head_dim]`` views."""
+        layer's ``[blocks, block_size, kv_heads, head_dim]`` views; ``window``: each
+        token attends to its newest ``window`` tokens (None: all)."""
         n, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_pool.shape
         problems = [
@@ -72,6 +75,7 @@ class PagedPrefillKernel:
             (out.shape != q.shape or k_pool.shape[3] != head_dim, "q/out shape"),
             (heads % kv_heads != 0, "heads not a multiple of kv_heads"),
             (not 0 < n <= context_len, "query rows outside the context"),
+            (window is not None and window <= 0, "window <= 0"),
             (table.dtype != torch.int64 or not table.is_contiguous(), "table must be int64"),
             (table.shape != (-(-context_len // block_size),), "table length"),
             (
@@ -94,6 +98,7 @@ class PagedPrefillKernel:
             block_size,
             k_pool.stride(0),
             scale,
+            window or 0,  # 0: no window
             torch.get_num_threads(),
         )
         check_return("paged prefill kernel", rc)

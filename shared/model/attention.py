@@ -175,13 +175,22 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     impl: AttentionImpl,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q``: ``[N, heads, head_dim]``, ``k``/``v``: ``[N, kv_heads, head_dim]`` (already
-    written to the pools ``[blocks, block_size, kv_heads, head_dim]``)."""
+    written to the pools ``[blocks, block_size, kv_heads, head_dim]``). ``window``: each
+    token attends to its ``window`` newest tokens only (itself included); None: to all."""
     out = torch.empty_like(q)
     for g in meta.decode:
-        out[g.start : g.end] = impl.decode(q[g.start : g.end], k_pool, v_pool, g.batch, scale)
+        out[g.start : g.end] = impl.decode(
+            q[g.start : g.end], k_pool, v_pool, g.batch, scale, window
+        )
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
-        out[rows] = impl.prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale)
+        out[rows] = impl.prefill(q[rows], k[rows], v[rows], k_pool, v_pool, seg, scale, window)
     return out
+
+
+def window_start(context_len: int, window: int | None) -> int:
+    """The first position a token at ``context_len - 1`` attends to."""
+    return 0 if window is None else max(0, context_len - window)

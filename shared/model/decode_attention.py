@@ -50,9 +50,11 @@ class DecodeAttention(ABC):
         v_pool: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q``: ``[B, heads, head_dim]``, one token per row, whose K/V are already in
-        the pools (one layer's ``[blocks, block_size, kv_heads, head_dim]`` views).
+        the pools (one layer's ``[blocks, block_size, kv_heads, head_dim]`` views); a
+        row attends to its ``window`` newest tokens (None: all of them).
         Returns ``[B, heads, head_dim]``; safe to use as soon as the call returns."""
 
     def write(
@@ -86,9 +88,12 @@ class NativeDecode(DecodeAttention):
         v_pool: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        self.kernel(q.contiguous(), k_pool, v_pool, batch.tables, batch.lens, scale, out)
+        self.kernel(
+            q.contiguous(), k_pool, v_pool, batch.tables, batch.lens, scale, out, window=window
+        )
         return out
 
     def write(
@@ -156,6 +161,7 @@ class GatherDecode(DecodeAttention):
         v_pool: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         ws = self.workspace
         b, n_heads, head_dim = q.shape
@@ -170,6 +176,10 @@ class GatherDecode(DecodeAttention):
         torch.mul(q.repeat(1, 1, kv_heads), selector, out=q_bd)
         scores = torch.bmm(q_bd, keys.transpose(1, 2)).float() * scale  # [B, heads, T]
         scores.masked_fill_(batch.mask, float("-inf"))
+        if window is not None:  # keys before each row's window
+            pos = torch.arange(scores.shape[-1], device=scores.device)
+            early = pos[None, :] < (batch.lens[:, None] - window)
+            scores.masked_fill_(early[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.bmm(probs, values).view(b, kv_heads, group, kv_heads, head_dim)
         # head (k, g) keeps the columns of its own KV head k
@@ -212,7 +222,10 @@ class TritonDecode(DecodeAttention):
         v_pool: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:
+            raise ConfigError("the Triton attention kernel has no sliding window")
         tiles, tables = self._prepare(batch)
         return self.kernel.paged_attention(q, k_pool, v_pool, tables, tiles, scale)
 

@@ -47,10 +47,12 @@ class PrefillAttention(ABC):
         v_pool: torch.Tensor,
         seg: PrefillSegment,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q``, ``new_k``, ``new_v``: the segment's new tokens (``[n, heads | kv_heads,
         head_dim]``), whose K/V are already in the pools too (one layer's ``[blocks,
-        block_size, kv_heads, head_dim]`` views). Returns ``[n, heads, head_dim]``;
+        block_size, kv_heads, head_dim]`` views); a token attends to its ``window``
+        newest tokens (None: all of them). Returns ``[n, heads, head_dim]``;
         safe to use as soon as the call returns."""
 
 
@@ -69,6 +71,7 @@ class SdpaPrefill(PrefillAttention):
         v_pool: torch.Tensor,
         seg: PrefillSegment,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         prefix = seg.context_len - seg.num_new
         if prefix == 0:  # nothing cached before: the new K/V are the whole context
@@ -80,15 +83,18 @@ class SdpaPrefill(PrefillAttention):
             keys = keys[: seg.context_len].transpose(0, 1)  # [kvh, T, hd]
             values = values[: seg.context_len].transpose(0, 1)
         mask = None
-        if prefix > 0:  # bottom-right aligned causal mask over the cached prefix + new rows
+        if prefix > 0 or window is not None:  # bottom-right aligned causal mask
             rows = torch.arange(seg.num_new, device=q.device)[:, None] + prefix
-            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
+            cols = torch.arange(seg.context_len, device=q.device)[None, :]
+            mask = cols <= rows
+            if window is not None:
+                mask &= cols > rows - window
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys[None],
             values[None],
             attn_mask=mask,
-            is_causal=prefix == 0,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -113,10 +119,11 @@ class NativePrefill(PrefillAttention):
         v_pool: torch.Tensor,
         seg: PrefillSegment,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
-        self.kernel(q, k_pool, v_pool, seg.block_table, seg.context_len, scale, out)
+        self.kernel(q, k_pool, v_pool, seg.block_table, seg.context_len, scale, out, window=window)
         return out
 
 
@@ -144,7 +151,10 @@ class TritonPrefill(PrefillAttention):
         v_pool: torch.Tensor,
         seg: PrefillSegment,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:
+            raise ConfigError("the Triton attention kernel has no sliding window")
         if seg is not self._seg or self._tiles is None:
             device = str(seg.block_table.device)
             self._tiles = self.kernel.Tiles.prefill(seg.num_new, seg.context_len, device)

@@ -60,8 +60,9 @@ def make_case(
     return Case(q, k_pool, v_pool, table, context_len)
 
 
-def sdpa(c: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """SDPA over the gathered context, bottom-right causal, in ``dtype`` (default: the case's)."""
+def sdpa(c: Case, dtype: torch.dtype | None = None, window: int | None = None) -> torch.Tensor:
+    """SDPA over the gathered context, bottom-right causal (each row over its ``window``
+    newest keys), in ``dtype`` (default: the case's)."""
     kv_heads, head_dim = c.k_pool.shape[2], c.k_pool.shape[3]
     keys = c.k_pool[c.table].reshape(-1, kv_heads, head_dim)[: c.context_len]
     values = c.v_pool[c.table].reshape(-1, kv_heads, head_dim)[: c.context_len]
@@ -70,7 +71,10 @@ def sdpa(c: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
         q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
     n = q.shape[0]
     rows = torch.arange(n)[:, None] + c.context_len - n
-    mask = torch.arange(c.context_len)[None, :] <= rows
+    cols = torch.arange(c.context_len)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys.transpose(0, 1)[None],
@@ -82,10 +86,22 @@ def sdpa(c: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def run(kernel: PagedPrefillKernel, c: Case) -> torch.Tensor:
+def run(kernel: PagedPrefillKernel, c: Case, window: int | None = None) -> torch.Tensor:
     out = torch.empty_like(c.q)
-    kernel(c.q, c.k_pool, c.v_pool, c.table, c.context_len, c.scale, out)
+    kernel(c.q, c.k_pool, c.v_pool, c.table, c.context_len, c.scale, out, window=window)
     return out
+
+
+def decode_rows(c: Case, window: int | None = None) -> torch.Tensor:
+    """What the decode kernel computes for each of the case's tokens, one row each."""
+    decode = PagedDecodeKernel.build(default_cache_dir() / "kernels")
+    prefix = c.context_len - c.q.shape[0]
+    lens = [prefix + i + 1 for i in range(c.q.shape[0])]
+    block_size = c.k_pool.shape[1]
+    batch = DecodeBatch.build([c.table.tolist()] * len(lens), lens, block_size, "cpu")
+    rows = torch.empty_like(c.q)
+    decode(c.q, c.k_pool, c.v_pool, batch.tables, batch.lens, c.scale, rows, window=window)
+    return rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,14 +159,66 @@ def test_each_row_is_bitwise_what_decode_computes(
     the KV decode made. head_dim 40 takes the portable path in both."""
     shape = Shape(heads, kv_heads, head_dim, block_size)
     c = make_case(dtype=dtype, n=37, context_len=120, shape=shape, seed=7)
-    prefill = run(kernel, c)
-    decode = PagedDecodeKernel.build(default_cache_dir() / "kernels")
-    prefix = c.context_len - c.q.shape[0]
-    lens = [prefix + i + 1 for i in range(c.q.shape[0])]
-    batch = DecodeBatch.build([c.table.tolist()] * len(lens), lens, block_size, "cpu")
-    rows = torch.empty_like(c.q)
-    decode(c.q, c.k_pool, c.v_pool, batch.tables, batch.lens, c.scale, rows)
-    assert torch.equal(prefill, rows)
+    assert torch.equal(run(kernel, c), decode_rows(c))
+
+
+WINDOW_SHAPES = [
+    (4, 1, 256, 16),  # Gemma 3 270M
+    (9, 3, 64, 16),
+    (12, 1, 32, 8),  # a block smaller than a key vector
+    (10, 2, 40, 8),  # the portable path
+    (8, 4, 64, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), WINDOW_SHAPES)
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+def test_sliding_window_rows_are_accurate_and_bitwise_decode(
+    kernel: PagedPrefillKernel,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int,
+) -> None:
+    """A sliding window (Gemma 3's local layers): each row attends to its ``window``
+    newest keys, as accurate as SDPA with the same mask, and each prefill row is
+    bitwise the row decode computes for that token, on a prefix longer than the
+    window (so rows start at unaligned keys, inside and across blocks)."""
+    shape = Shape(heads, kv_heads, head_dim, block_size)
+    c = make_case(dtype=dtype, n=41, context_len=130, shape=shape, seed=9)
+    got = run(kernel, c, window)
+    exact = sdpa(c, torch.float64, window)
+    ours = (got.double() - exact).abs().max().item()
+    theirs = (sdpa(c, window=window).double() - exact).abs().max().item()
+    assert ours <= max(2 * theirs, 1e-5)
+    assert torch.equal(got, decode_rows(c, window))
+    if window < c.context_len:  # the window changes what the rows see
+        assert not torch.equal(got, run(kernel, c))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_rows_do_not_depend_on_chunking(
+    kernel: PagedPrefillKernel, dtype: torch.dtype
+) -> None:
+    """A 300-token prompt with a 64-token window, whole or in uneven chunks: the same bits;
+    NaN in the pool before every row's window is never read."""
+    shape = Shape(4, 1, 256, 16)
+    c = make_case(dtype=dtype, n=300, context_len=300, shape=shape, seed=4)
+    whole = run(kernel, c, 64)
+    pieces = []
+    for start, end in ((0, 37), (37, 38), (38, 200), (200, 300)):
+        table = c.table[: -(-end // 16)].contiguous()
+        chunk = Case(c.q[start:end].contiguous(), c.k_pool, c.v_pool, table, end)
+        pieces.append(run(kernel, chunk, 64))
+    assert torch.equal(torch.cat(pieces), whole)
+    tail = Case(c.q[250:].contiguous(), c.k_pool, c.v_pool, c.table, 300)
+    clean = run(kernel, tail, 64)
+    for pool in (c.k_pool, c.v_pool):  # tokens 0 .. 175: before token 250's window
+        pool[c.table[:11]] = float("nan")
+    assert torch.equal(run(kernel, tail, 64), clean)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ import torch
 
 from shared.config import default_cache_dir
 from shared.kernels.pointwise import PointwiseKernel
-from shared.model.arch import LlamaArch
+from shared.model.arch import ModelArch
 from shared.model.pointwise import TorchPointwise
 from shared.model.rope import Rope
 from tests.shared.kernels.compiler import has_compiler
@@ -25,8 +25,8 @@ def kernel() -> PointwiseKernel:
     return PointwiseKernel.build(default_cache_dir() / "kernels")
 
 
-def _arch() -> LlamaArch:
-    return LlamaArch(
+def _arch() -> ModelArch:
+    return ModelArch(
         vocab_size=64,
         hidden_size=HEADS * HEAD_DIM,
         intermediate_size=64,
