@@ -27,7 +27,7 @@ from shared.kv.kv_cache import KVCache
 from shared.model.attention import AttentionMetadata, DecodeBatch, DecodeGroup
 from shared.model.attention_impl import AttentionImpl
 from shared.model.decode_attention import TritonDecode
-from shared.model.llama import LlamaModel
+from shared.model.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class _Graph:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: KVCache,
         attention: AttentionImpl,
         *,

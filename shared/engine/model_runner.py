@@ -23,7 +23,7 @@ from shared.model.attention import (
     split_whole_blocks,
 )
 from shared.model.attention_impl import AttentionImpl
-from shared.model.llama import LlamaModel
+from shared.model.decoder import DecoderModel
 
 LayerHook = Callable[[int, SchedulerOutput], None]
 """``hook(layer, step)``, on the engine thread, once ``layer``'s K/V of ``step``'s new
@@ -131,7 +131,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: KVCache,
         attention: AttentionImpl,
         graphs: DecodeGraphs | None = None,

@@ -42,7 +42,19 @@ LLAMA = Family(
     kv_layout="K and V of every layer: [blocks, block_size, kv_heads, head_dim]",
     attention="causal over the whole context in every layer; grouped-query heads",
 )
-FAMILIES: tuple[Family, ...] = (LLAMA,)
+GEMMA3 = Family(
+    name="gemma3",
+    implementation="shared.model.gemma3",
+    gguf_architectures=("gemma3",),
+    hf_architectures=("Gemma3ForCausalLM",),
+    model_types=("gemma3_text",),
+    kv_layout="K and V of every layer: [blocks, block_size, kv_heads, head_dim]",
+    attention=(
+        "sliding-window (the newest 512 tokens, RoPE base 10,000) in 5 of every 6 layers, "
+        "causal over the whole context (RoPE base 1,000,000) in the 6th; QK-norm"
+    ),
+)
+FAMILIES: tuple[Family, ...] = (LLAMA, GEMMA3)
 
 # GGUF tensor types the converter dequantizes (GGMLQuantizationType names)
 GGUF_TYPES: tuple[str, ...] = (

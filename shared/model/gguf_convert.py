@@ -1,8 +1,10 @@
 """Read a GGUF file into the Hugging Face layout: config, fp32 weights, tokenizer.
 
-Weights are dequantized with the ``gguf`` package. GGUF stores the Q and K
-projections permuted for llama.cpp's interleaved RoPE; we undo that so the
-weights match the HF (rotate-half) convention our model uses.
+Weights are dequantized with the ``gguf`` package. For Llama, GGUF stores the Q
+and K projections permuted for llama.cpp's interleaved RoPE; we undo that so the
+weights match the HF (rotate-half) convention our model uses. Gemma 3 files keep
+HF's order, but store every RMSNorm weight as ``1 + w`` (llama.cpp multiplies by
+it); HF's Gemma checkpoints hold ``w``, so 1 is taken off again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 
 from shared.errors import ModelFormatError, UnsupportedModelError
 from shared.model import families
-from shared.model.arch import LlamaArch, RopeScaling
+from shared.model.arch import ModelArch, RopeScaling, gemma3_layer_types
+from shared.model.chat_templates import GEMMA_END_OF_TURN, GEMMA_TURNS
 from shared.model.gguf_tokenizer import build_tokenizer
 
 _LAYER_MAP = {
@@ -28,6 +31,21 @@ _LAYER_MAP = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GEMMA3_LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -70,7 +88,9 @@ def _fields(reader: Any) -> dict[str, Any]:
     return out
 
 
-def _arch_from_meta(meta: dict[str, Any], has_output: bool) -> LlamaArch:
+def _arch_from_meta(meta: dict[str, Any], has_output: bool) -> ModelArch:
+    if meta.get("general.architecture") == families.GEMMA3.name:
+        return _gemma3_arch(meta, has_output)
 
     def req(key: str) -> Any:
         if f"llama.{key}" not in meta:
@@ -88,7 +108,7 @@ def _arch_from_meta(meta: dict[str, Any], has_output: bool) -> LlamaArch:
         if stype != "linear":
             raise UnsupportedModelError(f"GGUF rope scaling {stype!r} is not supported")
         scaling = RopeScaling("linear", float(meta["llama.rope.scaling.factor"]))
-    return LlamaArch(
+    return ModelArch(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -101,6 +121,48 @@ def _arch_from_meta(meta: dict[str, Any], has_output: bool) -> LlamaArch:
         max_position_embeddings=int(meta.get("llama.context_length", 2048)),
         tie_word_embeddings=not has_output,
         rope_scaling=scaling,
+    )
+
+
+def _gemma3_arch(meta: dict[str, Any], has_output: bool) -> ModelArch:
+    """Gemma 3 as llama.cpp reads it: the GGUF names the window but not which layers
+    use it, their RoPE base or the query scale; those are fixed for the family (every
+    6th layer global, local base 10,000, scores scaled by head_dim^-1/2)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        if f"gemma3.{key}" not in meta and default is None:
+            raise ModelFormatError(f"GGUF metadata lacks gemma3.{key}")
+        return meta.get(f"gemma3.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", 256))
+    layers = int(get("block_count"))
+    vocab = int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
+    scaling = None
+    stype = meta.get("gemma3.rope.scaling.type")
+    if stype not in (None, "none"):
+        if stype != "linear":
+            raise UnsupportedModelError(f"GGUF rope scaling {stype!r} is not supported")
+        scaling = RopeScaling("linear", float(meta["gemma3.rope.scaling.factor"]))
+    return ModelArch(
+        vocab_size=vocab,
+        hidden_size=int(get("embedding_length")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 1_000_000.0)),
+        max_position_embeddings=int(get("context_length", 32768)),
+        tie_word_embeddings=not has_output,
+        rope_scaling=scaling,
+        family=families.GEMMA3.name,
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=gemma3_layer_types(layers),
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(head_dim),
     )
 
 
@@ -125,6 +187,7 @@ def read_gguf(path: Path) -> GGUFModel:
             "GGUF rope_freqs (llama3-style frequency factors) not supported"
         )
     arch = _arch_from_meta(meta, has_output="output.weight" in names)
+    gemma = arch.family == families.GEMMA3.name
     tokenizer = build_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]
 
@@ -138,21 +201,31 @@ def read_gguf(path: Path) -> GGUFModel:
         "chat_template": meta.get("tokenizer.chat_template"),
         "bos_token": token("bos"),
         "eos_token": token("eos"),
+        "unk_token": token("unknown"),
         "pad_token": token("padding"),
         # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
         "add_bos_token": bool(
             meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
         ),
     }
+    eos: int | list[int] | None = None if eos_id is None else int(eos_id)
+    if gemma:
+        # no template in the file: Gemma's turn format, whose turns end at
+        # <end_of_turn>, a stop token beside <eos> (as HF's generation config has it)
+        tok_cfg["chat_template"] = tok_cfg["chat_template"] or GEMMA_TURNS
+        if eos_id is not None and GEMMA_END_OF_TURN in tokens:
+            eos = [int(eos_id), tokens.index(GEMMA_END_OF_TURN)]
     gen_cfg = {
         "bos_token_id": None if bos_id is None else int(bos_id),
-        "eos_token_id": None if eos_id is None else int(eos_id),
+        "eos_token_id": eos,
     }
     hf_config = arch.to_hf_config() | gen_cfg
 
+    layer_map = _GEMMA3_LAYER_MAP if gemma else _LAYER_MAP
+
     def read_tensors() -> Iterator[tuple[str, np.ndarray]]:
         for t in reader.tensors:
-            hf_name = _hf_name(t.name)
+            hf_name = _hf_name(t.name, layer_map)
             if hf_name is None:
                 continue
             try:
@@ -166,7 +239,10 @@ def read_gguf(path: Path) -> GGUFModel:
             if w.size != int(np.prod(expected)):
                 raise ModelFormatError(f"tensor {t.name} has {w.size} values, expected {expected}")
             w = w.reshape(expected)
-            if t.name.endswith("attn_q.weight"):
+            if gemma:
+                if t.name.endswith("norm.weight"):
+                    w = w - np.float32(1.0)
+            elif t.name.endswith("attn_q.weight"):
                 w = _unpermute(w, arch.num_heads)
             elif t.name.endswith("attn_k.weight"):
                 w = _unpermute(w, arch.num_kv_heads)
@@ -181,12 +257,12 @@ def read_gguf(path: Path) -> GGUFModel:
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_map: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    if m and m.group(2) in layer_map:
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
 
 

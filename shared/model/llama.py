@@ -8,46 +8,27 @@ attention implementations.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from shared.errors import ModelFormatError
 from shared.kv.kv_cache import KVCache
-from shared.model.arch import LlamaArch
+from shared.model.arch import ModelArch
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.attention_impl import AttentionImpl
-from shared.model.linear import Linear, PackedWeight
+from shared.model.decoder import (
+    DecoderModel,
+    LayerWeights,
+    ModelWeights,
+    expect,
+    tensor_getter,
+)
+from shared.model.linear import Linear
 from shared.model.pointwise import Pointwise
 from shared.model.rope import Rope
 
 
-@dataclass(frozen=True)
-class LayerWeights:
-    input_norm: torch.Tensor
-    # the GEMM weights are as the model's Linear packed them
-    qkv: PackedWeight  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj: PackedWeight
-    post_norm: torch.Tensor
-    gate_up: PackedWeight  # [2 * intermediate, hidden]
-    down: PackedWeight
-
-
-@dataclass(frozen=True)
-class ModelWeights:
-    """What a model keeps of its checkpoint: norms dense, GEMM weights as its
-    :class:`Linear` packed them. Read-only for the model's lifetime, so one copy
-    (e.g. a file mapped by every process on the host) can serve many models."""
-
-    embed: torch.Tensor | None  # None: tied, looked up in lm_head's packed rows
-    final_norm: torch.Tensor
-    lm_head: PackedWeight
-    layers: tuple[LayerWeights, ...]
-
-
 def pack_weights(
-    arch: LlamaArch,
+    arch: ModelArch,
     state: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: str,
@@ -55,19 +36,7 @@ def pack_weights(
 ) -> ModelWeights:
     """``state`` (HF tensor names) -> :class:`ModelWeights` in ``dtype`` on ``device``."""
 
-    def get(name: str) -> torch.Tensor:
-        if name not in state:
-            raise ModelFormatError(f"weights lack tensor {name}")
-        t = state[name].to(dtype=dtype, device=device)
-        # safetensors payloads can start at any byte offset; BLAS kernels run
-        # ~25% slower on weights that are not 64-byte aligned, so copy those.
-        return t.clone() if t.data_ptr() % 64 else t
-
-    def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-        if tuple(t.shape) != shape:
-            raise ModelFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-        return t
-
+    get = tensor_getter(state, dtype, device)
     a = arch
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens")
@@ -100,38 +69,19 @@ def pack_weights(
     )
 
 
-class LlamaModel:
+class LlamaModel(DecoderModel):
     def __init__(
         self,
-        arch: LlamaArch,
+        arch: ModelArch,
         weights: ModelWeights,
         dtype: torch.dtype,
         device: str,
         linear: Linear,
         pointwise: Pointwise,
     ):
-        if weights.embed is None and not linear.reads_rows:
-            raise ModelFormatError(
-                f"the weights keep no dense embedding and the {linear.name} linear "
-                "backend cannot read one from the packed head"
-            )
-        self.arch = arch
-        self.dtype = dtype
-        self.device = device
-        self.weights = weights
-        self.embed = weights.embed
-        self.final_norm = weights.final_norm
-        self.lm_head = weights.lm_head
-        self.layers = weights.layers
-        self.gemm = linear
-        self.ops = pointwise
+        super().__init__(arch, weights, dtype, device, linear, pointwise)
         self.rope = Rope(arch, dtype, device)
         self.scale = arch.head_dim**-0.5
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed is None:
-            return self.gemm.rows(self.lm_head, input_ids)
-        return F.embedding(input_ids, self.embed)
 
     @torch.inference_mode()
     def forward(
@@ -144,12 +94,6 @@ class LlamaModel:
         attention: AttentionImpl,
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows.
-
-        ``on_layer(i)`` is called once layer ``i``'s K/V of this batch are in
-        the pool (final: nothing later in this forward writes them again), so
-        a caller can ship that layer while the next ones compute.
-        """
         a = self.arch
         q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n = input_ids.shape[0]

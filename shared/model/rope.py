@@ -6,13 +6,15 @@ import math
 
 import torch
 
-from shared.model.arch import LlamaArch
+from shared.model.arch import ModelArch
 
 
-def inv_frequencies(arch: LlamaArch) -> torch.Tensor:
+def inv_frequencies(arch: ModelArch, *, local: bool = False) -> torch.Tensor:
+    """``local``: the frequencies of sliding-window layers (their own base, unscaled)."""
     dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    rs = arch.rope_scaling
+    theta = arch.rope_local_theta if local and arch.rope_local_theta else arch.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = None if local else arch.rope_scaling
     if rs is None:
         return inv
     if rs.rope_type == "linear":
@@ -34,9 +36,9 @@ class Rope:
     """Precomputed cos/sin ``[max_position, head_dim]`` (contiguous) for every
     position up to the model's context length."""
 
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: str):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: str, *, local: bool = False):
         self.head_dim = arch.head_dim
-        inv = inv_frequencies(arch).float()
+        inv = inv_frequencies(arch, local=local).float()
         pos = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -13,18 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ModelFormatError
-from shared.model.arch import LlamaArch
+from shared.model.arch import ModelArch
 from shared.model.registry import resolve
 from shared.model.tokenizer import Tokenizer
 
 
-def read_arch(folder: Path) -> LlamaArch:
+def read_arch(folder: Path) -> ModelArch:
     """The architecture in an HF model folder's ``config.json``."""
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{folder}/config.json is unreadable: {e}") from e
-    return LlamaArch.from_hf_config(cfg)
+    return ModelArch.from_hf_config(cfg)
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class TokenizerOnly:
     """What the gateway needs of a model: its name, tokenizer and shape, no weights."""
 
     name: str
-    arch: LlamaArch
+    arch: ModelArch
     tokenizer: Tokenizer
 
 

@@ -173,12 +173,12 @@ def test_an_unsupported_architecture_is_one_line_and_starts_nothing(tmp_path: Pa
     from tests.shared.model.tiny_gguf import hf_weights, write_tiny_gguf
 
     path = tmp_path / "other.gguf"
-    write_tiny_gguf(path, hf_weights(), GGMLQuantizationType.F32, arch="gemma3")
+    write_tiny_gguf(path, hf_weights(), GGMLQuantizationType.F32, arch="qwen2")
     port = "18431"
     proc = baton("up", "--model", str(path), "--port", port, cache_dir=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'gemma3' is not supported" in lines[0], proc.stderr
+    assert len(lines) == 1 and "'qwen2' is not supported" in lines[0], proc.stderr
     assert "Baton serves llama" in lines[0]
     assert not list((tmp_path / "converted").glob("*"))  # nothing converted
     import socket

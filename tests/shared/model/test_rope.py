@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from shared.model.arch import LlamaArch
+from shared.model.arch import ModelArch
 from shared.model.rope import Rope, inv_frequencies
 
 BASE: dict[str, Any] = {
@@ -40,7 +40,7 @@ def test_inv_frequencies_match_transformers(scaling: dict[str, Any] | None) -> N
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = BASE | ({"rope_scaling": scaling} if scaling else {})
-    ours = inv_frequencies(LlamaArch.from_hf_config(cfg)).float()
+    ours = inv_frequencies(ModelArch.from_hf_config(cfg)).float()
     hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
     kind = scaling["rope_type"] if scaling else None
     if kind is None:
@@ -52,7 +52,7 @@ def test_inv_frequencies_match_transformers(scaling: dict[str, Any] | None) -> N
 
 
 def test_rotation_preserves_norm_and_relative_angles() -> None:
-    arch = LlamaArch.from_hf_config(BASE)
+    arch = ModelArch.from_hf_config(BASE)
     rope = Rope(arch, torch.float32, "cpu")
     q = torch.randn(1, 1, 64)
     k = torch.randn(1, 1, 64)

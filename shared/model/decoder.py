@@ -1,0 +1,128 @@
+"""What every decoder family shares: its weights as a model keeps them, and the model
+boundary the runner calls (one forward over a ragged batch and a paged KV pool).
+
+A family's module (:mod:`shared.model.llama`, :mod:`shared.model.gemma3`) packs a
+checkpoint's tensors into :class:`ModelWeights` and runs them in its own
+:meth:`DecoderModel.forward`; :mod:`shared.model.families` names the module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import ModelFormatError
+from shared.kv.kv_cache import KVCache
+from shared.model.arch import ModelArch
+from shared.model.attention import AttentionMetadata
+from shared.model.attention_impl import AttentionImpl
+from shared.model.linear import Linear, PackedWeight
+from shared.model.pointwise import Pointwise
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # before attention
+    # the GEMM weights are as the model's Linear packed them
+    qkv: PackedWeight  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: PackedWeight
+    post_norm: torch.Tensor  # before the MLP
+    gate_up: PackedWeight  # [2 * intermediate, hidden]
+    down: PackedWeight
+    # Gemma 3 only: RMSNorm of each query and key head, and of the attention's and
+    # the MLP's outputs before their residual adds (None elsewhere)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """What a model keeps of its checkpoint: norms dense, GEMM weights as its
+    :class:`Linear` packed them. Read-only for the model's lifetime, so one copy
+    (e.g. a file mapped by every process on the host) can serve many models."""
+
+    embed: torch.Tensor | None  # None: tied, looked up in lm_head's packed rows
+    final_norm: torch.Tensor
+    lm_head: PackedWeight
+    layers: tuple[LayerWeights, ...]
+
+
+class DecoderModel(ABC):
+    """Weights plus the kernels that run them; holds no per-request state, so engines
+    may share one. Subclasses implement one family's :meth:`forward`."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        weights: ModelWeights,
+        dtype: torch.dtype,
+        device: str,
+        linear: Linear,
+        pointwise: Pointwise,
+    ):
+        if weights.embed is None and not linear.reads_rows:
+            raise ModelFormatError(
+                f"the weights keep no dense embedding and the {linear.name} linear "
+                "backend cannot read one from the packed head"
+            )
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.weights = weights
+        self.embed = weights.embed
+        self.final_norm = weights.final_norm
+        self.lm_head = weights.lm_head
+        self.layers = weights.layers
+        self.gemm = linear
+        self.ops = pointwise
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            return self.gemm.rows(self.lm_head, input_ids)
+        return F.embedding(input_ids, self.embed)
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        logits_rows: torch.Tensor,
+        attention: AttentionImpl,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows.
+
+        ``on_layer(i)`` is called once layer ``i``'s K/V of this batch are in
+        the pool (final: nothing later in this forward writes them again), so
+        a caller can ship that layer while the next ones compute.
+        """
+
+
+def tensor_getter(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+) -> Callable[[str], torch.Tensor]:
+    """``get(name)``: the checkpoint tensor ``name`` in ``dtype`` on ``device``."""
+
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ModelFormatError(f"weights lack tensor {name}")
+        t = state[name].to(dtype=dtype, device=device)
+        # safetensors payloads can start at any byte offset; BLAS kernels run
+        # ~25% slower on weights that are not 64-byte aligned, so copy those.
+        return t.clone() if t.data_ptr() % 64 else t
+
+    return get
+
+
+def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    if tuple(t.shape) != shape:
+        raise ModelFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+    return t

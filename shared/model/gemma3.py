@@ -1,0 +1,159 @@
+"""Gemma 3 (text) over the paged KV pool: what sets it apart from Llama.
+
+- Sliding-window layers: 5 of every 6 attend to their 512 newest tokens only, with
+  RoPE base 10,000; the 6th is global (base 1,000,000). ``arch.window(i)`` says which.
+- QK-norm: each query and key head is RMS-normalized before RoPE.
+- Sandwich norms: the attention's and the MLP's outputs are normalized before
+  their residual adds, besides the usual norms before each.
+- GeGLU (tanh GELU) instead of SwiGLU; embeddings scaled by sqrt(hidden); the
+  scores by ``query_pre_attn_scalar ** -0.5``; the head tied to the embedding.
+
+RMSNorm multiplies by ``1 + w`` (HF's Gemma checkpoints hold ``w``); the packed
+weights keep ``1 + w``, so the model runs the same norm op as Llama's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shared.kv.kv_cache import KVCache
+from shared.model.arch import ModelArch
+from shared.model.attention import AttentionMetadata, paged_attention, write_kv
+from shared.model.attention_impl import AttentionImpl
+from shared.model.decoder import (
+    DecoderModel,
+    LayerWeights,
+    ModelWeights,
+    expect,
+    tensor_getter,
+)
+from shared.model.linear import Linear
+from shared.model.pointwise import Pointwise
+from shared.model.rope import Rope
+
+
+def pack_weights(
+    arch: ModelArch,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    linear: Linear,
+) -> ModelWeights:
+    """``state`` (HF Gemma 3 tensor names) -> :class:`ModelWeights`."""
+    a = arch
+    raw = tensor_getter(state, torch.float32, "cpu")
+    get = tensor_getter(state, dtype, device)
+
+    def norm(name: str, width: int) -> torch.Tensor:
+        # 1 + w in fp32, as HF computes it, then the model's dtype
+        w = expect(raw(name), (width,), name)
+        return (1.0 + w).to(dtype=dtype, device=device).contiguous()
+
+    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens")
+    lm_head = linear.pack(embed if a.tie_word_embeddings else get("lm_head.weight"))
+    layers = []
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        q = expect(get(p + "self_attn.q_proj.weight"), (q_dim, a.hidden_size), p + "q_proj")
+        k = expect(get(p + "self_attn.k_proj.weight"), (kv_dim, a.hidden_size), p + "k_proj")
+        v = expect(get(p + "self_attn.v_proj.weight"), (kv_dim, a.hidden_size), p + "v_proj")
+        gate = get(p + "mlp.gate_proj.weight")
+        up = get(p + "mlp.up_proj.weight")
+        layers.append(
+            LayerWeights(
+                input_norm=norm(p + "input_layernorm.weight", a.hidden_size),
+                qkv=linear.pack(torch.cat([q, k, v])),
+                o_proj=linear.pack(get(p + "self_attn.o_proj.weight")),
+                post_norm=norm(p + "pre_feedforward_layernorm.weight", a.hidden_size),
+                gate_up=linear.pack(torch.cat([gate, up])),
+                down=linear.pack(get(p + "mlp.down_proj.weight")),
+                q_norm=norm(p + "self_attn.q_norm.weight", a.head_dim),
+                k_norm=norm(p + "self_attn.k_norm.weight", a.head_dim),
+                attn_out_norm=norm(p + "post_attention_layernorm.weight", a.hidden_size),
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", a.hidden_size),
+            )
+        )
+    return ModelWeights(
+        embed=None if a.tie_word_embeddings and linear.reads_rows else embed,
+        final_norm=norm("model.norm.weight", a.hidden_size),
+        lm_head=lm_head,
+        layers=tuple(layers),
+    )
+
+
+class Gemma3Model(DecoderModel):
+    def __init__(
+        self,
+        arch: ModelArch,
+        weights: ModelWeights,
+        dtype: torch.dtype,
+        device: str,
+        linear: Linear,
+        pointwise: Pointwise,
+    ):
+        super().__init__(arch, weights, dtype, device, linear, pointwise)
+        self.global_rope = Rope(arch, dtype, device)
+        self.local_rope = Rope(arch, dtype, device, local=True)
+        self.scale = arch.attention_scale
+        # HF multiplies by the scale as a tensor of the embedding's dtype
+        self.embed_scale = torch.tensor(arch.hidden_size**0.5, dtype=dtype).item()
+        self.windows = tuple(arch.window(i) for i in range(arch.num_layers))
+        self.ropes = tuple(self.global_rope if w is None else self.local_rope for w in self.windows)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_tokens(input_ids) * self.embed_scale
+
+    def _rotated(
+        self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK-norm of the query and key heads of ``qkv`` (in place), then RoPE."""
+        a, ops = self.arch, self.ops
+        n, d = qkv.shape[0], a.head_dim
+        heads = a.num_heads + a.num_kv_heads
+        qk = qkv[:, : heads * d]
+        assert lw.q_norm is not None and lw.k_norm is not None  # packed by pack_weights
+        q = ops.rms_norm(qk[:, : a.num_heads * d].reshape(-1, d), lw.q_norm, a.rms_norm_eps)
+        k = ops.rms_norm(qk[:, a.num_heads * d :].reshape(-1, d), lw.k_norm, a.rms_norm_eps)
+        qk.copy_(torch.cat([q.view(n, -1), k.view(n, -1)], dim=1))
+        return ops.rotary(qkv, positions, rope, a.num_heads, a.num_kv_heads)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        logits_rows: torch.Tensor,
+        attention: AttentionImpl,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        a = self.arch
+        q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        n = input_ids.shape[0]
+        ops, eps = self.ops, a.rms_norm_eps
+        h = self.embed_tokens(input_ids)
+        for idx, lw in enumerate(self.layers):
+            window, rope = self.windows[idx], self.ropes[idx]
+            assert lw.attn_out_norm is not None and lw.mlp_out_norm is not None
+            x = ops.rms_norm(h, lw.input_norm, eps)
+            qkv = self.gemm(x, lw.qkv)
+            q, k = self._rotated(qkv, positions, lw, rope)
+            v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
+            k_pool, v_pool = kv.layer(idx)
+            write_kv(k_pool, v_pool, k, v, meta, attention.decode)
+            if on_layer is not None:
+                on_layer(idx)
+            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention, window)
+            o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)
+            h = h + ops.rms_norm(o, lw.attn_out_norm, eps)
+            x = ops.rms_norm(h, lw.post_norm, eps)
+            gate, up = self.gemm(x, lw.gate_up).chunk(2, dim=-1)
+            mlp = self.gemm(F.gelu(gate, approximate="tanh") * up, lw.down)
+            h = h + ops.rms_norm(mlp, lw.mlp_out_norm, eps)
+        last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
+        return self.gemm(last, self.lm_head).float()
