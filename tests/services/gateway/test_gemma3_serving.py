@@ -1,0 +1,168 @@
+"""Gemma 3 (sliding-window layers) through the real cluster: prompts past the 512-token
+window give exactly the in-process engine's tokens, greedy and seeded, when served
+disaggregated, when the next turn of a chat reuses cached KV, when a decode instance
+is killed mid-stream, and when decode runs out of KV and swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
+from shared.bench.chaos import (
+    Supervised,
+    broken,
+    make_requests,
+    reference,
+    settle,
+    with_fault,
+)
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from shared.launcher import LocalCluster
+from shared.model.loader import LoadedModel, load_model
+from shared.model.registry import GEMMA3_270M
+from tests.services.conftest import start_cluster
+
+pytestmark = pytest.mark.slow
+
+MODEL = GEMMA3_270M.name
+BLOCK_BYTES = 589_824  # Gemma 3 270M's fp32 block: 18 layers x K,V x 16 tokens x 256
+MAX_TOKENS = 48
+LONG = 112  # tokens the swapping test's streams grow by
+
+
+@pytest.fixture(scope="module")
+def gemma(cache_dir: Path) -> LoadedModel:
+    return load_model(MODEL, cache_dir=cache_dir, dtype="float32", progress=False)
+
+
+def engine(gemma: LoadedModel, **cache: object) -> Engine:
+    """The in-process engine the cluster must match (the prefill service's chunking)."""
+    config = EngineConfig(
+        dtype="float32",
+        cache=replace(CacheConfig(kv_cache_bytes=256 << 20), **cache),  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(long_prefill_token_threshold=PREFILL_CHUNK_TOKENS),
+    )
+    return Engine(gemma, config)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, gemma: LoadedModel) -> Iterator[Supervised]:
+    local = start_cluster(
+        tmp_path_factory.mktemp("gemma3"), prefill=1, decode=2, kv_cache_gb=0.25,
+        BATON_MODEL=MODEL, BATON_CACHE_DIR=str(default_cache_dir()),
+    )  # fmt: skip
+    supervised = Supervised(local)
+    try:
+        yield supervised
+    finally:
+        supervised.close()
+        local.stop()
+
+
+async def complete(
+    url: str, prompt: list[int], seed: int | None, max_tokens: int = MAX_TOKENS
+) -> dict[str, object]:
+    body = {
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0.0 if seed is None else 0.8, "seed": seed, "return_token_ids": True,
+    }  # fmt: skip
+    async with httpx.AsyncClient(timeout=300) as client:
+        r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, object] = r.json()
+    return out
+
+
+def params(seed: int | None, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed,
+        ignore_eos=True,
+    )  # fmt: skip
+
+
+def test_prompts_past_the_window_and_their_next_turns_are_token_exact(
+    cluster: Supervised, gemma: LoadedModel
+) -> None:
+    """Three prompts (100, 700 and 1,300 tokens), greedy and seeded; then each one's next
+    turn (prompt + answer + 40 new tokens), whose prefix comes from the cache."""
+    settle(cluster.local)
+    url = cluster.local.gateway_url
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1000, 200_000) for _ in range(n)] for n in (100, 700, 1300)]
+    seeds = [None, 11, None]
+    ref = engine(gemma, enable_prefix_caching=False)
+
+    async def turns() -> list[tuple[dict[str, object], dict[str, object], list[int]]]:
+        out = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            first = await complete(url, prompt, seed)
+            answer = first["choices"][0]["token_ids"]  # type: ignore[index]
+            follow = prompt + answer + [rng.randrange(1000, 200_000) for _ in range(40)]
+            out.append((first, await complete(url, follow, seed), follow))
+        return out
+
+    for (first, second, follow), prompt, seed in zip(
+        asyncio.run(turns()), prompts, seeds, strict=True
+    ):
+        want = ref.generate([prompt], params(seed))[0].token_ids
+        assert first["choices"][0]["token_ids"] == want, len(prompt)  # type: ignore[index]
+        want = ref.generate([follow], params(seed))[0].token_ids
+        assert second["choices"][0]["token_ids"] == want, len(follow)  # type: ignore[index]
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
+        assert cached >= len(prompt) // 16 * 16, (len(prompt), cached)
+
+
+def test_a_decode_instance_killed_mid_stream_past_the_window(
+    cluster: Supervised, gemma: LoadedModel
+) -> None:
+    """Four streams of 600-900-token prompts; the busiest decode instance is SIGKILLed
+    once they stream: each resumes elsewhere with the failure-free tokens."""
+    settle(cluster.local)
+    reqs = make_requests(random.Random(3), 4, prompt_len=(600, 900), max_tokens=MAX_TOKENS)
+    got = asyncio.run(with_fault(cluster.local, MODEL, reqs, "kill")).results
+    assert broken(got, reference(engine(gemma, enable_prefix_caching=False), reqs)) == []
+
+
+def test_swapping_under_kv_pressure_past_the_window(tmp_path: Path, gemma: LoadedModel) -> None:
+    """A decode pool of 72 blocks for three 530-token prompts (34 blocks each) that grow
+    by 112 tokens: two are admitted together and outgrow the pool, so streams are
+    preempted, swapped out and back, and keep their tokens."""
+    local: LocalCluster = start_cluster(
+        tmp_path, prefill=1, decode=1, kv_cache_gb=72 * BLOCK_BYTES / (1 << 30),
+        BATON_MODEL=MODEL, BATON_CACHE_DIR=str(default_cache_dir()),
+    )  # fmt: skip
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1000, 200_000) for _ in range(530)] for _ in range(3)]
+    seeds = [None, 3, 8]
+    try:
+
+        async def all_at_once() -> list[dict[str, object]]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        complete(local.gateway_url, p, s, LONG)
+                        for p, s in zip(prompts, seeds, strict=True)
+                    )
+                )
+            )
+
+        got = asyncio.run(all_at_once())
+        decode = next(s for s in local.specs if s.role == "decode")
+        stats = httpx.get(f"http://127.0.0.1:{decode.http_port}/stats").json()
+    finally:
+        local.stop()
+    ref = engine(gemma, enable_prefix_caching=False)
+    for out, prompt, seed in zip(got, prompts, seeds, strict=True):
+        want = ref.generate([prompt], params(seed, LONG))[0].token_ids
+        assert out["choices"][0]["token_ids"] == want  # type: ignore[index]
+    assert stats["preemptions"] > 0, stats
+    assert stats["swaps_out"] + stats["spills_in"] > 0, stats
