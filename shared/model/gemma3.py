@@ -15,10 +15,12 @@ weights keep ``1 + w``, so the model runs the same norm op as Llama's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from shared.errors import ModelFormatError
 from shared.kv.kv_cache import KVCache
 from shared.model.arch import ModelArch
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
@@ -85,6 +87,24 @@ def pack_weights(
     )
 
 
+@dataclass(frozen=True)
+class GemmaNorms:
+    """A layer's norms beyond Llama's (each holds ``1 + w``)."""
+
+    q: torch.Tensor  # [head_dim], each query head
+    k: torch.Tensor  # [head_dim], each key head
+    attn_out: torch.Tensor  # the attention's output, before its residual add
+    mlp_out: torch.Tensor  # the MLP's output, before its residual add
+
+    @classmethod
+    def of(cls, i: int, lw: LayerWeights) -> GemmaNorms:
+        if lw.q_norm is None or lw.k_norm is None or lw.attn_out_norm is None:
+            raise ModelFormatError(f"layer {i} lacks Gemma 3's QK and output norms")
+        if lw.mlp_out_norm is None:
+            raise ModelFormatError(f"layer {i} lacks Gemma 3's MLP output norm")
+        return cls(lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
+
+
 class Gemma3Model(DecoderModel):
     def __init__(
         self,
@@ -102,22 +122,22 @@ class Gemma3Model(DecoderModel):
         # HF multiplies by the scale as a tensor of the embedding's dtype
         self.embed_scale = torch.tensor(arch.hidden_size**0.5, dtype=dtype).item()
         self.windows = tuple(arch.window(i) for i in range(arch.num_layers))
+        self.norms = tuple(GemmaNorms.of(i, lw) for i, lw in enumerate(self.layers))
         self.ropes = tuple(self.global_rope if w is None else self.local_rope for w in self.windows)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * self.embed_scale
 
     def _rotated(
-        self, qkv: torch.Tensor, positions: torch.Tensor, lw: LayerWeights, rope: Rope
+        self, qkv: torch.Tensor, positions: torch.Tensor, norms: GemmaNorms, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm of the query and key heads of ``qkv`` (in place), then RoPE."""
         a, ops = self.arch, self.ops
         n, d = qkv.shape[0], a.head_dim
         heads = a.num_heads + a.num_kv_heads
         qk = qkv[:, : heads * d]
-        assert lw.q_norm is not None and lw.k_norm is not None  # packed by pack_weights
-        q = ops.rms_norm(qk[:, : a.num_heads * d].reshape(-1, d), lw.q_norm, a.rms_norm_eps)
-        k = ops.rms_norm(qk[:, a.num_heads * d :].reshape(-1, d), lw.k_norm, a.rms_norm_eps)
+        q = ops.rms_norm(qk[:, : a.num_heads * d].reshape(-1, d), norms.q, a.rms_norm_eps)
+        k = ops.rms_norm(qk[:, a.num_heads * d :].reshape(-1, d), norms.k, a.rms_norm_eps)
         qk.copy_(torch.cat([q.view(n, -1), k.view(n, -1)], dim=1))
         return ops.rotary(qkv, positions, rope, a.num_heads, a.num_kv_heads)
 
@@ -138,11 +158,10 @@ class Gemma3Model(DecoderModel):
         ops, eps = self.ops, a.rms_norm_eps
         h = self.embed_tokens(input_ids)
         for idx, lw in enumerate(self.layers):
-            window, rope = self.windows[idx], self.ropes[idx]
-            assert lw.attn_out_norm is not None and lw.mlp_out_norm is not None
+            window, rope, norms = self.windows[idx], self.ropes[idx], self.norms[idx]
             x = ops.rms_norm(h, lw.input_norm, eps)
             qkv = self.gemm(x, lw.qkv)
-            q, k = self._rotated(qkv, positions, lw, rope)
+            q, k = self._rotated(qkv, positions, norms, rope)
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
             write_kv(k_pool, v_pool, k, v, meta, attention.decode)
@@ -150,10 +169,10 @@ class Gemma3Model(DecoderModel):
                 on_layer(idx)
             attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention, window)
             o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)
-            h = h + ops.rms_norm(o, lw.attn_out_norm, eps)
+            h = h + ops.rms_norm(o, norms.attn_out, eps)
             x = ops.rms_norm(h, lw.post_norm, eps)
             gate, up = self.gemm(x, lw.gate_up).chunk(2, dim=-1)
             mlp = self.gemm(F.gelu(gate, approximate="tanh") * up, lw.down)
-            h = h + ops.rms_norm(mlp, lw.mlp_out_norm, eps)
+            h = h + ops.rms_norm(mlp, norms.mlp_out, eps)
         last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

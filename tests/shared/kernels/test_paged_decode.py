@@ -141,6 +141,23 @@ def test_agrees_with_the_torch_path(kernel: PagedDecodeKernel) -> None:
     torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 17, 64, 500])
+def test_a_sliding_window_agrees_with_the_torch_path(
+    kernel: PagedDecodeKernel, window: int
+) -> None:
+    """Rows shorter and longer than the window, in one batch; a window changes rows
+    past it only."""
+    lens = [40, 200, 13, 77]
+    c = make_case(dtype=torch.float32, lens=lens, seed=4)
+    batch = DecodeBatch.build(c.tables, lens, 16, "cpu")
+    native = NativeDecode(kernel)(c.q, c.k_pool, c.v_pool, batch, 0.125, window)
+    gathered = GatherDecode(torch.float32, "cpu")(c.q, c.k_pool, c.v_pool, batch, 0.125, window)
+    torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
+    whole = NativeDecode(kernel)(c.q, c.k_pool, c.v_pool, batch, 0.125)
+    for row, n in enumerate(lens):
+        assert torch.equal(native[row], whole[row]) == (n <= window), (n, window)
+
+
 def test_rejects_arguments_it_would_misread(kernel: PagedDecodeKernel) -> None:
     lens = [20, 5]
     c = make_case(dtype=torch.float32, lens=lens)
