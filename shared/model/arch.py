@@ -197,6 +197,11 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelArch:
     return arch
 
 
+def _number(x: float | None) -> float | int | None:
+    """Whole numbers as ints: transformers' Gemma config is strict about the type."""
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
 def _gemma3_to_hf(a: ModelArch) -> dict[str, Any]:
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
     if a.rope_scaling is not None:
@@ -217,7 +222,7 @@ def _gemma3_to_hf(a: ModelArch) -> dict[str, Any]:
         "hidden_activation": a.hidden_act,
         "sliding_window": a.sliding_window,
         "layer_types": list(a.layer_types),
-        "query_pre_attn_scalar": a.query_pre_attn_scalar,
+        "query_pre_attn_scalar": _number(a.query_pre_attn_scalar),
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
         # both spellings: transformers 5 reads rope_parameters, 4 the flat keys

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from shared.errors import ModelNotFoundError, ModelPullError
 from shared.filelock import file_lock
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Gemma 3's config as transformers reads it
 
 
 @dataclass(frozen=True)
