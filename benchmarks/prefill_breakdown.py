@@ -64,13 +64,20 @@ class CountedPrefill(PrefillAttention):
         window: int | None = None,
     ) -> torch.Tensor:
         n, heads, head_dim = q.shape
-        prefix = seg.context_len - n
-        pairs = n * prefix + n * (n + 1) // 2
-        self.flops += 4.0 * heads * head_dim * pairs
+        self.flops += 4.0 * heads * head_dim * attended_pairs(n, seg.context_len, window)
         out: torch.Tensor = self.clock.timed(
             "attention", self.inner, q, new_k, new_v, k_pool, v_pool, seg, scale, window
         )
         return out
+
+
+def attended_pairs(n: int, context_len: int, window: int | None) -> int:
+    """Query-key pairs the newest ``n`` of ``context_len`` tokens attend (causal; each
+    over its ``window`` newest keys only, where a window is set)."""
+    prefix = context_len - n
+    if window is None:
+        return n * prefix + n * (n + 1) // 2
+    return sum(min(prefix + i + 1, window) for i in range(n))
 
 
 def measure(
@@ -89,6 +96,7 @@ def measure(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a model name or path (default: the default)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--prompts", nargs="+", type=int, default=[512, 2048])
@@ -96,7 +104,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     peak = peak_gflops(args.dtype)
-    loaded = load_model(None, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False)
+    loaded = load_model(args.model, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False)
     clock = Clock()
     gemm = CountedLinear(loaded.model.gemm, clock)
     loaded.model.gemm = gemm

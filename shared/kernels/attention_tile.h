@@ -335,7 +335,7 @@ INLINE void values_pass(const uint16_t *p, int64_t p_stride, const uint16_t *v,
     const uint16_t *p, int64_t p_stride, const uint16_t *v, const int64_t *table,          \
         int64_t len, int64_t block_size, int64_t block_stride, int64_t tok_stride,         \
         const float *inv, uint16_t *const *outs
-#define VALUES_ARGS pp, p_stride, v, table, end, block_size, block_stride, tok_stride, iv, outs
+#define VALUES_ARGS pp, p_stride, vc, table, end, block_size, block_stride, tok_stride, iv, outs
 #define DEFINE_VALUES_SHAPE(NAME, D, NP)                                                    \
     __attribute__((noinline)) static void NAME(VALUES_PARAMS) {                              \
         values_pass(p, p_stride, v, table, len, block_size, block_stride, tok_stride, D, NP, \
@@ -416,23 +416,29 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
             inv[i] = row_softmax(sr + i * pad, window_start(len_r, window), len_r,
                                  p + r * p_stride, pad);
         }
-        /* values for this block's rows, in passes of what the registers hold */
-        const int64_t per_pass = VALUE_ACC / (d / 16);
+        /* values for this block's rows, in passes of what the registers hold; wide
+         * heads (head_dim 256) in 128-column slices, so that a pass serves 3 rows
+         * instead of 1 (each output column sums its keys in the same order either way) */
+        const int64_t dv = d > 128 && d % 128 == 0 ? 128 : d;
+        const int64_t per_pass = VALUE_ACC / (dv / 16);
         for (int64_t a = 0; a < nr; a += per_pass) {
             int64_t np = nr - a < per_pass ? nr - a : per_pass, first = r0 + a;
-            uint16_t *outs[SCORE_ROWS];
-            for (int64_t i = 0; i < np; i++) {
-                int64_t r = first + i;
-                outs[i] = out + (r / group) * q_tok_stride + (r % group) * d;
-            }
             int64_t end = len0 + (first + np - 1) / group; /* the pass's longest row */
             const uint16_t *pp = p + first * p_stride;
             const float *iv = inv + a;
-            if (d == 64 && np == 6) values_64_6(VALUES_ARGS);
-            else if (d == 64 && np == 3) values_64_3(VALUES_ARGS);
-            else if (d == 128 && np == 3) values_128_3(VALUES_ARGS);
-            else values_any(pp, p_stride, v, table, end, block_size, block_stride, tok_stride, d,
-                            np, iv, outs);
+            for (int64_t c0 = 0; c0 < d; c0 += dv) {
+                uint16_t *outs[SCORE_ROWS];
+                for (int64_t i = 0; i < np; i++) {
+                    int64_t r = first + i;
+                    outs[i] = out + (r / group) * q_tok_stride + (r % group) * d + c0;
+                }
+                const uint16_t *vc = v + c0;
+                if (dv == 64 && np == 6) values_64_6(VALUES_ARGS);
+                else if (dv == 64 && np == 3) values_64_3(VALUES_ARGS);
+                else if (dv == 128 && np == 3) values_128_3(VALUES_ARGS);
+                else values_any(pp, p_stride, vc, table, end, block_size, block_stride,
+                                tok_stride, dv, np, iv, outs);
+            }
         }
     }
 }

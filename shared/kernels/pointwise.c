@@ -1,5 +1,6 @@
 /* The decoder's row-wise ops for CPU, fp32 and bf16: RMSNorm, rotary position
- * embedding (in place on the fused QKV rows) and SwiGLU's silu(gate) * up.
+ * embedding (in place on the fused QKV rows), SwiGLU's silu(gate) * up and
+ * GeGLU's gelu_tanh(gate) * up.
  *
  * torch runs each of these as several ops with a temporary per op (RoPE is
  * eight: two slices, a negation, a concatenation, two products and a sum);
@@ -32,6 +33,17 @@ INLINE float silu(float x) {
     return x >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
 }
 
+/* GELU, tanh approximation (torch's approximate="tanh"): 0.5 x (1 + tanh(y)),
+ * y = sqrt(2 / pi) (x + 0.044715 x^3), computed as x * sigmoid(2y), which is
+ * the same function without the cancellation 1 + tanh(y) suffers for y << 0
+ * (so bf16 results can differ from torch's by one unit in the last place). */
+#define GELU_K 0.7978845608028654f
+INLINE float gelu_tanh(float x) {
+    float y2 = 2.f * GELU_K * (x + 0.044715f * x * x * x);
+    float e = exp_nonpositive(y2 >= 0.f ? -y2 : y2);
+    return y2 >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+}
+
 /* out[r] = round(round(x[r] / rms(x[r])) * w) for rows of `width`. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                        \
     void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t width, float eps,       \
@@ -44,6 +56,23 @@ INLINE float silu(float x) {
             float inv = 1.f / sqrtf(ss / (float)width + eps);                               \
             for (int64_t i = 0; i < width; i++)                                             \
                 out[r * width + i] = STORE(ROUND(LOAD(xr[i]) * inv) * LOAD(w[i]));          \
+        }                                                                                   \
+    }
+
+/* RMSNorm in place of `heads` head_dim-wide slices of each row (rows `stride`
+ * values apart; Gemma's QK-norm on the fused QKV rows), each as rms_norm does
+ * a row of width d. */
+#define DEFINE_HEAD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                   \
+    void NAME(T *x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const T *w,     \
+              float eps, int threads) {                                                     \
+        int64_t n = rows * heads;                                                           \
+        _Pragma("omp parallel for if (n >= 16) num_threads(threads) schedule(static)")      \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            T *xr = x + (i / heads) * stride + (i % heads) * d;                             \
+            float ss = 0.f;                                                                 \
+            for (int64_t j = 0; j < d; j++) ss += LOAD(xr[j]) * LOAD(xr[j]);               \
+            float inv = 1.f / sqrtf(ss / (float)d + eps);                                   \
+            for (int64_t j = 0; j < d; j++) xr[j] = STORE(ROUND(LOAD(xr[j]) * inv) * LOAD(w[j])); \
         }                                                                                   \
     }
 
@@ -77,33 +106,48 @@ INLINE __m512 vsilu(__m512 x) {
     __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
 }
+INLINE __m512 vgelu_tanh(__m512 x) {
+    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    __m512 y2 = _mm512_mul_ps(_mm512_set1_ps(2.f * GELU_K),
+                              _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(y2)));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(y2, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
+}
 /* 16 outputs at a time; the scalar loop after it finishes the row */
-#define SILU_MUL_VECTOR(VLOAD, VSTORE, VROUND)                                              \
+#define GLU_VECTOR(VACT, VLOAD, VSTORE, VROUND)                                             \
     for (; i + 16 <= width; i += 16)                                                        \
-        VSTORE(out + r * width + i, _mm512_mul_ps(VROUND(vsilu(VLOAD(g + i))), VLOAD(u + i)));
+        VSTORE(out + r * width + i, _mm512_mul_ps(VROUND(VACT(VLOAD(g + i))), VLOAD(u + i)));
 #else
-#define SILU_MUL_VECTOR(VLOAD, VSTORE, VROUND)
+#define GLU_VECTOR(VACT, VLOAD, VSTORE, VROUND)
 #endif
 
-/* out[r, i] = round(round(silu(g[r, i])) * u[r, i]) where row r of gate_up is
+/* out[r, i] = round(round(act(g[r, i])) * u[r, i]) where row r of gate_up is
  * [g | u], each `width` long. */
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
+#define DEFINE_GLU_MUL(NAME, ACT, VACT, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)       \
     void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int threads) {         \
         _Pragma(PARALLEL_ROWS)                                                              \
         for (int64_t r = 0; r < rows; r++) {                                                \
             const T *g = gate_up + r * 2 * width, *u = g + width;                           \
             int64_t i = 0;                                                                  \
-            SILU_MUL_VECTOR(VLOAD, VSTORE, VROUND)                                          \
+            GLU_VECTOR(VACT, VLOAD, VSTORE, VROUND)                                         \
             for (; i < width; i++)                                                          \
-                out[r * width + i] = STORE(ROUND(silu(LOAD(g[i]))) * LOAD(u[i]));           \
+                out[r * width + i] = STORE(ROUND(ACT(LOAD(g[i]))) * LOAD(u[i]));            \
         }                                                                                   \
     }
 
 DEFINE_RMS_NORM(baton_rms_norm_f32, float, load_f32, store_f32, round_f32)
 DEFINE_RMS_NORM(baton_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_f32, float, load_f32, store_f32, round_f32)
+DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_ROPE(baton_rope_f32, float, load_f32, store_f32, round_f32)
 DEFINE_ROPE(baton_rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
-DEFINE_SILU_MUL(baton_silu_mul_f32, float, load_f32, store_f32, round_f32, vload_f32, vstore_f32,
-                vround_f32)
-DEFINE_SILU_MUL(baton_silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16, vload_bf16,
-                vstore_bf16, vround_bf16)
+DEFINE_GLU_MUL(baton_silu_mul_f32, silu, vsilu, float, load_f32, store_f32, round_f32, vload_f32,
+               vstore_f32, vround_f32)
+DEFINE_GLU_MUL(baton_silu_mul_bf16, silu, vsilu, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16,
+               vload_bf16, vstore_bf16, vround_bf16)
+DEFINE_GLU_MUL(baton_gelu_tanh_mul_f32, gelu_tanh, vgelu_tanh, float, load_f32, store_f32,
+               round_f32, vload_f32, vstore_f32, vround_f32)
+DEFINE_GLU_MUL(baton_gelu_tanh_mul_bf16, gelu_tanh, vgelu_tanh, uint16_t, bf16_to_f32,
+               f32_to_bf16, round_bf16, vload_bf16, vstore_bf16, vround_bf16)

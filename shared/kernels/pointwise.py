@@ -1,5 +1,5 @@
-"""ctypes binding of ``pointwise.c``: RMSNorm, RoPE and silu(gate) * up, one
-pass over the rows each.
+"""ctypes binding of ``pointwise.c``: RMSNorm, RoPE, silu(gate) * up and
+gelu_tanh(gate) * up, one pass over the rows each.
 
 Ownership: the caller owns every tensor. :meth:`PointwiseKernel.rms_norm` and
 :meth:`~PointwiseKernel.silu_mul` only read their inputs and return new
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,7 +44,11 @@ class PointwiseKernel:
         self.library = library
         self._rms_norm = bind_dtypes(lib, "baton_rms_norm", [_P, _P, _P, _I, _I, _F, _T])
         self._rope = bind_dtypes(lib, "baton_rope", [_P, _I, _I, _I, _I, _P, _P, _P, _T])
+        self._head_rms_norm = bind_dtypes(
+            lib, "baton_head_rms_norm", [_P, _I, _I, _I, _I, _P, _F, _T]
+        )
         self._silu_mul = bind_dtypes(lib, "baton_silu_mul", [_P, _P, _I, _I, _T])
+        self._gelu_mul = bind_dtypes(lib, "baton_gelu_tanh_mul", [_P, _P, _I, _I, _T])
 
     @classmethod
     def build(cls, kernel_dir: Path) -> PointwiseKernel:
@@ -109,14 +114,43 @@ class PointwiseKernel:
             torch.get_num_threads(),
         )
 
+    def head_rms_norm_(
+        self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        """In place: RMSNorm of each of the first ``heads`` ``head_dim``-wide slices of
+        every row of ``x`` (``[rows, >= heads * head_dim]``, a view whose rows may be
+        strided, e.g. the query heads of fused QKV rows); ``weight``: ``[head_dim]``."""
+        refuse(
+            "head_rms_norm",
+            [
+                (x.device.type != "cpu", "tensors must be on the CPU"),
+                (x.dtype not in DTYPES or weight.dtype != x.dtype, "fp32 or bf16, one dtype"),
+                (x.dim() != 2 or x.stride(1) != 1, "rows of contiguous values"),
+                (heads * head_dim > x.shape[1], "heads x head_dim"),
+                (weight.shape != (head_dim,) or not weight.is_contiguous(), "weight shape"),
+            ],
+        )
+        self._head_rms_norm[x.dtype](
+            x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, weight.data_ptr(), eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``gate_up``: ``[rows, 2 * width]`` as ``[gate | up]``; returns
         ``silu(gate) * up``, ``[rows, width]``."""
-        _cpu_rows("silu_mul", gate_up)
-        refuse("silu_mul", [(gate_up.shape[1] % 2 != 0, "gate_up width must be even")])
+        return self._glu("silu_mul", self._silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """As :meth:`silu_mul` with GELU's tanh approximation (Gemma's GeGLU)."""
+        return self._glu("gelu_tanh_mul", self._gelu_mul, gate_up)
+
+    @staticmethod
+    def _glu(what: str, entry: dict[torch.dtype, Any], gate_up: torch.Tensor) -> torch.Tensor:
+        _cpu_rows(what, gate_up)
+        refuse(what, [(gate_up.shape[1] % 2 != 0, "gate_up width must be even")])
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype)
-        self._silu_mul[gate_up.dtype](
+        entry[gate_up.dtype](
             gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads()
         )
         return out

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shared.errors import ModelFormatError
 from shared.kv.kv_cache import KVCache
@@ -132,13 +131,9 @@ class Gemma3Model(DecoderModel):
         self, qkv: torch.Tensor, positions: torch.Tensor, norms: GemmaNorms, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm of the query and key heads of ``qkv`` (in place), then RoPE."""
-        a, ops = self.arch, self.ops
-        n, d = qkv.shape[0], a.head_dim
-        heads = a.num_heads + a.num_kv_heads
-        qk = qkv[:, : heads * d]
-        q = ops.rms_norm(qk[:, : a.num_heads * d].reshape(-1, d), norms.q, a.rms_norm_eps)
-        k = ops.rms_norm(qk[:, a.num_heads * d :].reshape(-1, d), norms.k, a.rms_norm_eps)
-        qk.copy_(torch.cat([q.view(n, -1), k.view(n, -1)], dim=1))
+        a, ops, d = self.arch, self.ops, self.arch.head_dim
+        ops.head_rms_norm_(qkv, a.num_heads, d, norms.q, a.rms_norm_eps)
+        ops.head_rms_norm_(qkv[:, a.num_heads * d :], a.num_kv_heads, d, norms.k, a.rms_norm_eps)
         return ops.rotary(qkv, positions, rope, a.num_heads, a.num_kv_heads)
 
     @torch.inference_mode()
@@ -171,8 +166,7 @@ class Gemma3Model(DecoderModel):
             o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)
             h = h + ops.rms_norm(o, norms.attn_out, eps)
             x = ops.rms_norm(h, lw.post_norm, eps)
-            gate, up = self.gemm(x, lw.gate_up).chunk(2, dim=-1)
-            mlp = self.gemm(F.gelu(gate, approximate="tanh") * up, lw.down)
+            mlp = self.gemm(ops.gelu_tanh_mul(self.gemm(x, lw.gate_up)), lw.down)
             h = h + ops.rms_norm(mlp, norms.mlp_out, eps)
         last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

@@ -1,4 +1,4 @@
-"""The decoder's row-wise ops: RMSNorm, rotary embedding, SwiGLU's activation.
+"""The decoder's row-wise ops: RMSNorm, rotary embedding, SwiGLU's and GeGLU's activations.
 
 Three implementations of one boundary. :class:`TorchPointwise` is plain torch,
 op by op, as Hugging Face writes them. :class:`TritonPointwise` (CUDA) is
@@ -8,8 +8,8 @@ batch (the rest is elementwise, which is batch-invariant in torch already).
 (``shared/kernels/pointwise.c``): torch spends most of these ops' time on
 dispatch and temporaries (RoPE of one decode row's query and key heads is
 eight ops, 25-40 us; one C call, 3 us). In bf16 native and torch give the
-same bits; in fp32 they differ in the last place where sums are ordered
-differently. :func:`select_pointwise` picks one for a model.
+same bits (but for GeGLU, see pointwise.c); in fp32 they differ in the last
+place where sums are ordered differently. :func:`select_pointwise` picks one for a model.
 
 Ownership: inputs are only read, except :meth:`Pointwise.rotary`'s ``qkv``,
 which an implementation may rotate in place (it is the caller's scratch: the
@@ -42,6 +42,13 @@ class Pointwise(ABC):
         """``x / rms(x) * weight`` over the last dim of ``[rows, width]``."""
 
     @abstractmethod
+    def head_rms_norm_(
+        self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        """In place: :meth:`rms_norm` of each of the first ``heads`` ``head_dim``-wide
+        slices of every row of ``x`` (rows may be strided: a slice of fused QKV rows)."""
+
+    @abstractmethod
     def rotary(
         self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, heads: int, kv_heads: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +59,10 @@ class Pointwise(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``[rows, 2 * width]`` rows laid out ``[gate | up]``."""
 
+    @abstractmethod
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up``, laid out as for :meth:`silu_mul`."""
+
 
 class TorchPointwise(Pointwise):
     name = "torch"
@@ -59,6 +70,13 @@ class TorchPointwise(Pointwise):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         var = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+    def head_rms_norm_(
+        self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        part = x[:, : heads * head_dim]
+        normed = self.rms_norm(part.reshape(-1, head_dim), weight, eps)
+        part.copy_(normed.view(x.shape[0], heads * head_dim))
 
     def rotary(
         self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, heads: int, kv_heads: int
@@ -72,6 +90,10 @@ class TorchPointwise(Pointwise):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class TritonPointwise(TorchPointwise):
@@ -95,6 +117,11 @@ class NativePointwise(Pointwise):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernel.rms_norm(x.contiguous(), weight, eps)
 
+    def head_rms_norm_(
+        self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        self.kernel.head_rms_norm_(x, heads, head_dim, weight, eps)
+
     def rotary(
         self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, heads: int, kv_heads: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +132,9 @@ class NativePointwise(Pointwise):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernel.silu_mul(gate_up.contiguous())
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernel.gelu_tanh_mul(gate_up.contiguous())
 
 
 def select_pointwise(

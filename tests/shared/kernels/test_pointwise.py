@@ -72,6 +72,39 @@ def test_silu_mul(kernel: PointwiseKernel, dtype: torch.dtype, rows: int) -> Non
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+def test_head_rms_norm_in_place_on_strided_rows(
+    kernel: PointwiseKernel, dtype: torch.dtype, rows: int
+) -> None:
+    """Gemma's QK-norm: each head slice of fused QKV rows normalized in place, as
+    rms_norm does a row; the rest of each row untouched."""
+    qkv = _randn(rows, 6 * 256, dtype=dtype, seed=rows, scale=3.0)
+    w = _randn(256, dtype=dtype, seed=7)
+    want = qkv.clone()
+    TorchPointwise().head_rms_norm_(want[:, 256:], 4, 256, w, 1e-6)
+    got = qkv.clone()
+    kernel.head_rms_norm_(got[:, 256:], 4, 256, w, 1e-6)
+    # torch sums the squares in another order: a bf16 result may round the other way
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
+    assert torch.equal(got[:, :256], qkv[:, :256]) and torch.equal(got[:, 1280:], qkv[:, 1280:])
+    rows_alone = qkv[:, 256:1280].reshape(-1, 256).contiguous()
+    assert torch.equal(got[:, 256:1280].reshape(-1, 256), kernel.rms_norm(rows_alone, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_gelu_tanh_mul(kernel: PointwiseKernel, dtype: torch.dtype, rows: int) -> None:
+    """Gemma's GeGLU: gelu (tanh approximation) of the gate times up. torch computes
+    1 + tanh(y), which cancels for very negative gates; the kernel the same function
+    as a sigmoid, so results may differ by a unit in the last place (bf16) or a few
+    (fp32, near zero)."""
+    gate_up = _randn(rows, 2 * 1544, dtype=dtype, seed=rows, scale=6.0)
+    got, want = kernel.gelu_tanh_mul(gate_up), TorchPointwise().gelu_tanh_mul(gate_up)
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-7 if bf16 else 1e-5, atol=1e-5, check_dtype=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 def test_rope_rotates_query_and_key_heads_only(
     kernel: PointwiseKernel, dtype: torch.dtype, rows: int
 ) -> None:
@@ -95,9 +128,11 @@ def test_rows_do_not_depend_on_the_batch_or_threads(kernel: PointwiseKernel) -> 
         torch.set_num_threads(1)
         full = kernel.rms_norm(x, w, 1e-5)
         silu = kernel.silu_mul(x)
+        gelu = kernel.gelu_tanh_mul(x)
         torch.set_num_threads(2)
         assert torch.equal(kernel.rms_norm(x, w, 1e-5), full)
         assert torch.equal(kernel.silu_mul(x), silu)
+        assert torch.equal(kernel.gelu_tanh_mul(x), gelu)
         assert torch.equal(kernel.rms_norm(x[3:4], w, 1e-5), full[3:4])
     finally:
         torch.set_num_threads(saved)
