@@ -187,5 +187,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(planner.table(shown, args.slo_ttft, args.slo_tpot), end="")
         best = ranked[0]
         print(f"recommended: {best.deployment.describe()}: {best.goodput:.3f} req/s predicted")
-        print(f"run it: {planner.up_command(best.deployment, args.slo_ttft, args.slo_tpot)}")
+        from shared.model.registry import DEFAULT_MODEL, MODELS
+
+        # a named model the profile measured (a file or folder's path is not in the profile)
+        named = profile.model if profile.model in MODELS else None
+        model = None if named == DEFAULT_MODEL.name else named
+        up = planner.up_command(best.deployment, args.slo_ttft, args.slo_tpot, model)
+        print(f"run it: {up}")
     return 0

@@ -155,10 +155,11 @@ def table(ranked: Sequence[Candidate], slo_ttft: float, slo_tpot: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def up_command(dep: Deployment, slo_ttft: float, slo_tpot: float) -> str:
+def up_command(dep: Deployment, slo_ttft: float, slo_tpot: float, model: str | None = None) -> str:
     """The ``baton up`` that runs ``dep`` as simulated: fixed threads per instance, the
     batch limits (environment, where not the defaults) and the same SLOs, which make
-    decode pace its steps as the simulation did."""
+    decode pace its steps as the simulation did; ``model``: the profiled model where it
+    is not the default."""
     env = []
     if dep.max_seqs != Deployment.max_seqs:
         env.append(f"BATON_MAX_NUM_SEQS={dep.max_seqs}")
@@ -170,4 +171,6 @@ def up_command(dep: Deployment, slo_ttft: float, slo_tpot: float) -> str:
         f"--threads {dep.threads} --max-threads {dep.threads}",
         f"--slo-ttft {slo_ttft:g} --slo-tpot {slo_tpot:g}",
     ]
+    if model is not None:
+        args.append(f"--model {model}")
     return " ".join([*env, *args])

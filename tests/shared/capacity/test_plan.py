@@ -31,6 +31,7 @@ def test_with_a_tpot_target_candidates_pace_decode_and_the_plan_says_how_to_run_
         "BATON_MAX_NUM_SEQS=16 baton up --prefill 1 --decode 1 --threads 1 --max-threads 1"
         " --slo-ttft 3 --slo-tpot 0.1"
     )
+    assert up_command(dep, 3.0, 0.1, "gemma3-270m").endswith(" --model gemma3-270m")
 
 
 def test_a_decode_heavy_load_ranks_more_decode_first() -> None:
