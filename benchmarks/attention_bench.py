@@ -15,6 +15,10 @@ tile, one token per sequence) is timed against REV's too, at each batch size ove
 contexts of 512 and 2,048 tokens (decode has no SDPA twin here).
 
     python -m benchmarks.attention_bench --against HEAD~1 --out bench-results/attention.json
+
+``--geometry gemma3-local`` times Gemma 3's shape instead (4 query heads on 1 KV head,
+head_dim 256) with its 512-token sliding window (SDPA then gets the window as a mask;
+GFLOP/s count only the keys each row reads); ``gemma3-global`` the same without it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -38,27 +43,53 @@ from shared.model.attention import DecodeBatch, PrefillSegment
 from shared.model.prefill_attention import NativePrefill, PrefillAttention, SdpaPrefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One layer's attention shape (and window) as a model has it."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+    @property
+    def scale(self) -> float:
+        return float(self.head_dim**-0.5)
+
+
+GEOMETRIES = {
+    "smollm2": Geometry(HEADS, KV_HEADS, HEAD_DIM),
+    "gemma3-local": Geometry(4, 1, 256, 512),
+    "gemma3-global": Geometry(4, 1, 256),
+}
+DEFAULT = GEOMETRIES["smollm2"]
 # q, new K, new V, K pool, V pool, segment: a PrefillAttention call's arguments
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PrefillSegment]
 
 
-def make_inputs(new: int, context: int, dtype: torch.dtype, seed: int = 0) -> Inputs:
+def make_inputs(
+    new: int, context: int, dtype: torch.dtype, seed: int = 0, geo: Geometry = DEFAULT
+) -> Inputs:
     g = torch.Generator().manual_seed(seed)
     blocks = -(-context // BLOCK)
-    pool = torch.randn(blocks + 8, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    pool = torch.randn(blocks + 8, 2, BLOCK, geo.kv_heads, geo.head_dim, generator=g).to(dtype)
     table = torch.randperm(blocks + 8, generator=g)[:blocks].contiguous()
     k_pool, v_pool = pool[:, 0], pool[:, 1]
-    q = torch.randn(new, HEADS, HEAD_DIM, generator=g).to(dtype)
-    k_ctx = k_pool[table].reshape(-1, KV_HEADS, HEAD_DIM)[:context]
-    v_ctx = v_pool[table].reshape(-1, KV_HEADS, HEAD_DIM)[:context]
+    q = torch.randn(new, geo.heads, geo.head_dim, generator=g).to(dtype)
+    k_ctx = k_pool[table].reshape(-1, geo.kv_heads, geo.head_dim)[:context]
+    v_ctx = v_pool[table].reshape(-1, geo.kv_heads, geo.head_dim)[:context]
     seg = PrefillSegment(start=0, end=new, block_table=table, context_len=context)
     return q, k_ctx[-new:], v_ctx[-new:], k_pool, v_pool, seg
 
 
-def flops(new: int, context: int) -> float:
-    """Causal attention work of ``new`` rows on top of ``context - new`` cached tokens."""
-    pairs = sum(context - new + i + 1 for i in range(new))
-    return 4.0 * HEADS * HEAD_DIM * pairs
+def flops(new: int, context: int, geo: Geometry = DEFAULT) -> float:
+    """Causal attention work of ``new`` rows on top of ``context - new`` cached tokens
+    (each over its window's keys only, where the geometry has one)."""
+    window = geo.window or context
+    pairs = sum(min(context - new + i + 1, window) for i in range(new))
+    return 4.0 * geo.heads * geo.head_dim * pairs
 
 
 def library_at(rev: str, out_dir: Path) -> Path:
@@ -77,6 +108,10 @@ def library_at(rev: str, out_dir: Path) -> Path:
                 ["git", "show", f"{rev}:{name}"], check=True, capture_output=True, text=True
             ).stdout
             (src / Path(name).name).write_text(text)
+    if "int64_t window" not in (src / "paged_decode.c").read_text():
+        # the entry points gained a window argument (commit 4c4fff2): an older library
+        # would read the thread count from it
+        raise SystemExit(f"--against {rev}: its kernels predate the window argument")
     return build_library(src / "paged_decode.c", out_dir)
 
 
@@ -135,10 +170,10 @@ def decode_rows(
     return rows
 
 
-def timed(impl: PrefillAttention, args: Inputs, scale: float, reps: int) -> float:
+def timed(impl: PrefillAttention, args: Inputs, geo: Geometry, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
-        impl(*args, scale)
+        impl(*args, geo.scale, geo.window)
     return (time.perf_counter() - t0) / reps
 
 
@@ -153,8 +188,10 @@ def main() -> None:
         "--decode-batch", nargs="*", type=int, default=[],
         help="also time decode at these batch sizes against REV",
     )  # fmt: skip
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="smollm2")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    geo = GEOMETRIES[args.geometry]
     kernel = PagedPrefillKernel.build(default_cache_dir() / "kernels")
     native, sdpa = NativePrefill(kernel), SdpaPrefill()
     before = None
@@ -172,18 +209,18 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for new, context in cases:
-                inputs = make_inputs(new, context, dtype)
+                inputs = make_inputs(new, context, dtype, geo=geo)
                 reps = max(1, 2048 // new)
                 t_native, t_sdpa = paired(
-                    partial(timed, native, inputs, HEAD_DIM**-0.5, reps),
-                    partial(timed, sdpa, inputs, HEAD_DIM**-0.5, reps),
+                    partial(timed, native, inputs, geo, reps),
+                    partial(timed, sdpa, inputs, geo, reps),
                     args.repeats,
                 )
                 t_before = None
                 if before is not None:
                     t_before, t_native = paired(
-                        partial(timed, before, inputs, HEAD_DIM**-0.5, reps),
-                        partial(timed, native, inputs, HEAD_DIM**-0.5, reps),
+                        partial(timed, before, inputs, geo, reps),
+                        partial(timed, native, inputs, geo, reps),
                         args.repeats,
                     )
                 row = {
@@ -194,8 +231,9 @@ def main() -> None:
                     "native_ms": t_native * 1e3,
                     "sdpa_ms": t_sdpa * 1e3,
                     "time_ratio": t_native / t_sdpa,
-                    "native_gflops": flops(new, context) / t_native / 1e9,
-                    "sdpa_gflops": flops(new, context) / t_sdpa / 1e9,
+                    "native_gflops": flops(new, context, geo) / t_native / 1e9,
+                    "sdpa_gflops": flops(new, context, geo) / t_sdpa / 1e9,
+                    "geometry": args.geometry,
                 }
                 line = (
                     f"prefill attention {dtype_name:8s} threads={threads} new={new:<5d} "
