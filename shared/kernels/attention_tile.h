@@ -243,17 +243,27 @@ INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p
                          int64_t width) {
     __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1u);
     int64_t full = len / 16 * 16;
+    /* keys before the window's 16-key vector are skipped (their probabilities
+     * stored as +0: adding +0 to a lane leaves it as it is); only the vector
+     * holding `first` is masked */
+    const int64_t lead = first / 16 * 16;
     __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < full; t += 16)
+    int64_t t = lead;
+    if (first > lead && t < full) {
         vmx = _mm512_mask_max_ps(vmx, keys_from(t, first), vmx, _mm512_loadu_ps(s + t));
+        t += 16;
+    }
+    for (; t < full; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
     if (tail) {
         __mmask16 m = tail & keys_from(full, first);
         vmx = _mm512_mask_max_ps(vmx, m, vmx, _mm512_maskz_loadu_ps(m, s + full));
     }
     __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 live = (t < full ? (__mmask16)0xffff : tail) & keys_from(t, first);
+    for (t = 0; t < lead; t += 16) _mm256_storeu_si256((__m256i *)(p + t), _mm256_setzero_si256());
+    for (t = lead; t < len; t += 16) {
+        __mmask16 live = t < full ? (__mmask16)0xffff : tail;
+        if (t == lead) live &= keys_from(t, first);
         __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mx));
         __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, e));
         _mm256_storeu_si256((__m256i *)(p + t), h);

@@ -83,7 +83,8 @@ class PagedDecodeKernel:
         b, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_pool.shape
         _check(q, k_pool, v_pool, tables, lens, out)
-        refuse("paged decode kernel", [(window is not None and window <= 0, "window <= 0")])
+        if window is not None and window <= 0:
+            raise ValueError(f"paged decode kernel: window {window} <= 0")
         rc = self._entry[q.dtype](
             q.data_ptr(),
             k_pool.data_ptr(),
