@@ -54,6 +54,11 @@ class ModelArch:
         return None
 
     @property
+    def has_windows(self) -> bool:
+        """Whether any layer attends to a sliding window only."""
+        return any(self.window(i) is not None for i in range(self.num_layers))
+
+    @property
     def attention_scale(self) -> float:
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

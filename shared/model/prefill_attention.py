@@ -171,12 +171,15 @@ def select_prefill_attention(
     kernel_dir: Path,
     *,
     block_size: int = 16,
+    windowed: bool = False,
 ) -> PrefillAttention:
     """``native`` (the C kernel, CPU), ``triton`` (the CUDA kernel), each an error where
     it cannot run; ``torch`` (SDPA); or ``auto``: native on CPU where it builds and
     supports the model, Triton on CUDA where it runs, SDPA otherwise."""
     if backend == "triton" or (backend == "auto" and device != "cpu"):
         problem = triton_attention_problem(dtype, head_dim, block_size, device)
+        if problem is None and windowed:  # as decode: the kernel has no window
+            problem = "it has no sliding window, which this model's layers use"
         if problem is None:
             return TritonPrefill()
         if backend == "triton":
