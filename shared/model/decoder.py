@@ -126,3 +126,45 @@ def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
     if tuple(t.shape) != shape:
         raise ModelFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
     return t
+
+
+@dataclass(frozen=True)
+class Projections:
+    """One layer's GEMM weights, packed: every family names them as HF's Llama does."""
+
+    qkv: PackedWeight
+    o_proj: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+def pack_projections(
+    arch: ModelArch, get: Callable[[str], torch.Tensor], linear: Linear, prefix: str
+) -> Projections:
+    """Layer ``prefix``'s attention and MLP weights, Q/K/V and gate/up fused."""
+    a, p = arch, prefix
+    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    q = expect(get(p + "self_attn.q_proj.weight"), (q_dim, a.hidden_size), p + "q_proj")
+    k = expect(get(p + "self_attn.k_proj.weight"), (kv_dim, a.hidden_size), p + "k_proj")
+    v = expect(get(p + "self_attn.v_proj.weight"), (kv_dim, a.hidden_size), p + "v_proj")
+    gate = get(p + "mlp.gate_proj.weight")
+    up = get(p + "mlp.up_proj.weight")
+    return Projections(
+        qkv=linear.pack(torch.cat([q, k, v])),
+        o_proj=linear.pack(get(p + "self_attn.o_proj.weight")),
+        gate_up=linear.pack(torch.cat([gate, up])),
+        down=linear.pack(get(p + "mlp.down_proj.weight")),
+    )
+
+
+def pack_embedding(
+    arch: ModelArch, get: Callable[[str], torch.Tensor], linear: Linear
+) -> tuple[torch.Tensor | None, PackedWeight]:
+    """The dense embedding a model keeps (None where it is read from the packed head)
+    and the packed LM head."""
+    a = arch
+    embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens")
+    # tied: the head is the packed embedding, and where the backend can read rows
+    # back from its packing, lookups use it too (no second, dense copy)
+    lm_head = linear.pack(embed if a.tie_word_embeddings else get("lm_head.weight"))
+    return (None if a.tie_word_embeddings and linear.reads_rows else embed), lm_head

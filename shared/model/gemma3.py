@@ -29,6 +29,8 @@ from shared.model.decoder import (
     LayerWeights,
     ModelWeights,
     expect,
+    pack_embedding,
+    pack_projections,
     tensor_getter,
 )
 from shared.model.linear import Linear
@@ -53,25 +55,19 @@ def pack_weights(
         w = expect(raw(name), (width,), name)
         return (1.0 + w).to(dtype=dtype, device=device).contiguous()
 
-    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens")
-    lm_head = linear.pack(embed if a.tie_word_embeddings else get("lm_head.weight"))
+    embed, lm_head = pack_embedding(a, get, linear)
     layers = []
     for i in range(a.num_layers):
         p = f"model.layers.{i}."
-        q = expect(get(p + "self_attn.q_proj.weight"), (q_dim, a.hidden_size), p + "q_proj")
-        k = expect(get(p + "self_attn.k_proj.weight"), (kv_dim, a.hidden_size), p + "k_proj")
-        v = expect(get(p + "self_attn.v_proj.weight"), (kv_dim, a.hidden_size), p + "v_proj")
-        gate = get(p + "mlp.gate_proj.weight")
-        up = get(p + "mlp.up_proj.weight")
+        proj = pack_projections(a, get, linear, p)
         layers.append(
             LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight", a.hidden_size),
-                qkv=linear.pack(torch.cat([q, k, v])),
-                o_proj=linear.pack(get(p + "self_attn.o_proj.weight")),
+                qkv=proj.qkv,
+                o_proj=proj.o_proj,
                 post_norm=norm(p + "pre_feedforward_layernorm.weight", a.hidden_size),
-                gate_up=linear.pack(torch.cat([gate, up])),
-                down=linear.pack(get(p + "mlp.down_proj.weight")),
+                gate_up=proj.gate_up,
+                down=proj.down,
                 q_norm=norm(p + "self_attn.q_norm.weight", a.head_dim),
                 k_norm=norm(p + "self_attn.k_norm.weight", a.head_dim),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight", a.hidden_size),
@@ -79,7 +75,7 @@ def pack_weights(
             )
         )
     return ModelWeights(
-        embed=None if a.tie_word_embeddings and linear.reads_rows else embed,
+        embed=embed,
         final_norm=norm("model.norm.weight", a.hidden_size),
         lm_head=lm_head,
         layers=tuple(layers),

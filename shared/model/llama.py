@@ -19,7 +19,8 @@ from shared.model.decoder import (
     DecoderModel,
     LayerWeights,
     ModelWeights,
-    expect,
+    pack_embedding,
+    pack_projections,
     tensor_getter,
 )
 from shared.model.linear import Linear
@@ -37,35 +38,23 @@ def pack_weights(
     """``state`` (HF tensor names) -> :class:`ModelWeights` in ``dtype`` on ``device``."""
 
     get = tensor_getter(state, dtype, device)
-    a = arch
-    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    embed = expect(get("model.embed_tokens.weight"), (a.vocab_size, a.hidden_size), "embed_tokens")
-    # tied: the head is the packed embedding, and where the backend can read rows
-    # back from its packing, lookups use it too (no second, dense copy)
-    lm_head = linear.pack(embed if a.tie_word_embeddings else get("lm_head.weight"))
+    embed, lm_head = pack_embedding(arch, get, linear)
     layers = []
-    for i in range(a.num_layers):
+    for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        q = expect(get(p + "self_attn.q_proj.weight"), (q_dim, a.hidden_size), p + "q_proj")
-        k = expect(get(p + "self_attn.k_proj.weight"), (kv_dim, a.hidden_size), p + "k_proj")
-        v = expect(get(p + "self_attn.v_proj.weight"), (kv_dim, a.hidden_size), p + "v_proj")
-        gate = get(p + "mlp.gate_proj.weight")
-        up = get(p + "mlp.up_proj.weight")
+        proj = pack_projections(arch, get, linear, p)
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=linear.pack(torch.cat([q, k, v])),
-                o_proj=linear.pack(get(p + "self_attn.o_proj.weight")),
+                qkv=proj.qkv,
+                o_proj=proj.o_proj,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=linear.pack(torch.cat([gate, up])),
-                down=linear.pack(get(p + "mlp.down_proj.weight")),
+                gate_up=proj.gate_up,
+                down=proj.down,
             )
         )
     return ModelWeights(
-        embed=None if a.tie_word_embeddings and linear.reads_rows else embed,
-        final_norm=get("model.norm.weight"),
-        lm_head=lm_head,
-        layers=tuple(layers),
+        embed=embed, final_norm=get("model.norm.weight"), lm_head=lm_head, layers=tuple(layers)
     )
 
 
