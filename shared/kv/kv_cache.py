@@ -1,8 +1,16 @@
-"""The paged KV tensor pool: ``num_blocks`` blocks laid out as :mod:`shared.kv.layout` says.
+"""The paged KV tensor pool: ``num_blocks`` slots of ``width`` layers each.
+
+With one layer group (:mod:`shared.kv.layer_groups`) a slot is one block laid
+out as :mod:`shared.kv.layout` says. With sliding-window layers a block's layers
+are spread over its group-0 slot and its window part's slots; the transports
+still move blocks in the layout's format, gathered from (and scattered into) the
+slots by :meth:`KVCache.gather_block` and :meth:`KVCache.scatter_block`.
 
 Ownership: the pool belongs to one model runner; which request holds which
-slot is the :class:`~shared.engine.kv_cache_manager.KVCacheManager`'s business. The memory
-is allocated once at start-up and never grows.
+slot (and which window part belongs to which block) is the
+:class:`~shared.engine.kv_cache_manager.KVCacheManager`'s business, read here
+through the lookup :meth:`KVCache.bind_parts` installs. The memory is allocated
+once at start-up and never grows.
 """
 
 from __future__ import annotations
@@ -11,12 +19,16 @@ import logging
 import math
 import mmap
 import sys
+from collections.abc import Callable, Sequence
 
 import torch
 
 from shared.config import HugePages
 from shared.errors import ConfigError
+from shared.kv.layer_groups import LayerGroups
 from shared.kv.layout import KVLayout
+
+PartLookup = Callable[[int], "Sequence[int] | None"]  # a block's slot -> its window part
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +98,67 @@ class KVCache:
         num_blocks: int,
         device: str = "cpu",
         huge_pages: HugePages = "auto",
+        groups: LayerGroups | None = None,
     ):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.layout = layout
+        self.groups = groups if groups is not None else LayerGroups.full(layout.num_layers)
+        if self.groups.num_layers != layout.num_layers:
+            raise ValueError(
+                f"layer groups cover {self.groups.num_layers} layers, not {layout.num_layers}"
+            )
+        if self.groups.windowed and device != "cpu":
+            raise ConfigError("a KV pool split by layer groups is built for CPU pools only")
         self.num_blocks = num_blocks
-        self.pool = anonymous_zeros(
-            (num_blocks, *layout.block_shape), layout.torch_dtype, device, huge_pages
+        self._place = [self.groups.place(i) for i in range(layout.num_layers)]
+        self._part_of: PartLookup | None = None
+        shape = (num_blocks, self.groups.width, *layout.block_shape[1:])
+        self.pool = anonymous_zeros(shape, layout.torch_dtype, device, huge_pages)
+        # a block's slot -> its window part's slots (0 where it has none: never read),
+        # so a step's block tables translate to each sliding group's by one gather
+        self.part_table = torch.zeros(
+            (num_blocks if self.groups.windowed else 0, self.groups.num_window_groups),
+            dtype=torch.int64,
+            device=device,
         )
+
+    @staticmethod
+    def slot_bytes(layout: KVLayout, groups: LayerGroups | None = None) -> int:
+        width = layout.num_layers if groups is None else groups.width
+        return width * layout.layer_bytes
 
     @classmethod
     def for_memory(
-        cls, layout: KVLayout, nbytes: int, device: str = "cpu", huge_pages: HugePages = "auto"
+        cls,
+        layout: KVLayout,
+        nbytes: int,
+        device: str = "cpu",
+        huge_pages: HugePages = "auto",
+        groups: LayerGroups | None = None,
     ) -> KVCache:
-        return cls(layout, max(1, nbytes // layout.block_bytes), device, huge_pages)
+        slots = max(1, nbytes // cls.slot_bytes(layout, groups))
+        return cls(layout, slots, device, huge_pages, groups)
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's memory."""
+        return self.num_blocks * self.slot_bytes(self.layout, self.groups)
+
+    @property
+    def windowed(self) -> bool:
+        return self.groups.windowed
+
+    def bind_parts(self, part_of: PartLookup) -> None:
+        """Where each block's window part is (the KV cache manager's mapping)."""
+        self._part_of = part_of
+
+    def set_part(self, slot: int, part: Sequence[int] | None) -> None:
+        """The manager attached ``part`` to the block in ``slot`` (None: detached it)."""
+        if part is None:
+            self.part_table[slot] = 0
+        else:
+            self.part_table[slot] = torch.tensor(part, dtype=torch.int64)
 
     def prefault(self) -> None:
         """Make every page of the pool resident now (one byte written per page), so no
@@ -109,10 +168,51 @@ class KVCache:
         flat = self.pool.view(-1).view(torch.uint8)
         flat[::PAGE_BYTES].zero_()
 
+    def group_of(self, layer: int) -> int:
+        """The layer group holding ``layer`` (0: the one every block has)."""
+        return self._place[layer][0]
+
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``idx``'s K and V."""
-        return self.pool[:, idx, 0], self.pool[:, idx, 1]
+        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``idx``'s K and V,
+        indexed by the slots of its group."""
+        i = self._place[idx][1]
+        return self.pool[:, i, 0], self.pool[:, i, 1]
 
     def block(self, slot: int) -> torch.Tensor:
-        """The block in ``slot`` as its contiguous ``block_shape`` tensor (a view)."""
+        """The block in ``slot`` as its contiguous ``block_shape`` tensor (a view; one
+        layer group only)."""
+        if self.windowed:
+            raise RuntimeError("a block of a pool split by layer groups spans several slots")
         return self.pool[slot]
+
+    # -- whole blocks, in the layout's format (any grouping) --------------------------------
+    def part_of(self, slot: int) -> Sequence[int] | None:
+        return None if self._part_of is None else self._part_of(slot)
+
+    def layer_slot(self, slot: int, layer: int, part: Sequence[int] | None) -> torch.Tensor | None:
+        """``[2, block_size, kv_heads, head_dim]``: ``layer`` of the block in ``slot``
+        (whose window part is ``part``), in place; None for a sliding layer of a block
+        without a part."""
+        g, i = self._place[layer]
+        if g == 0:
+            return self.pool[slot, i]
+        return None if part is None else self.pool[part[g - 1], i]
+
+    def gather_block(self, slot: int, part: Sequence[int] | None, out: torch.Tensor) -> None:
+        """Copy the block into ``out`` (``block_shape``, the pool's dtype); the sliding
+        layers of a block without a part come out as zeros."""
+        for g, layers in enumerate(self.groups.groups):
+            page = slot if g == 0 else (None if part is None else part[g - 1])
+            rows = list(layers)
+            if page is None:
+                out[rows] = 0
+            else:
+                out[rows] = self.pool[page, : len(layers)]
+
+    def scatter_block(self, slot: int, part: Sequence[int] | None, src: torch.Tensor) -> None:
+        """Copy ``src`` (``block_shape``) into the block; a block without a part keeps
+        only its full-attention layers."""
+        for g, layers in enumerate(self.groups.groups):
+            page = slot if g == 0 else (None if part is None else part[g - 1])
+            if page is not None:
+                self.pool[page, : len(layers)] = src[list(layers)]

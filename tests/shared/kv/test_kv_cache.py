@@ -60,3 +60,28 @@ def test_required_huge_pages_come_from_the_reserve_or_fail_clearly() -> None:
     assert cache.pool.data_ptr() % HUGE_PAGE_BYTES == 0
     cache.prefault()
     assert _free_huge_pages() <= free - 4
+
+
+def test_a_split_pool_gathers_and_scatters_blocks_in_the_layout() -> None:
+    """Layers 1 and 3 full-attention (group 0), 0 and 2 sliding (group 1): a block is
+    its slot plus its part's slot; without a part its sliding layers are not kept."""
+    from shared.kv.layer_groups import LayerGroups
+
+    layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32")
+    groups = LayerGroups.split([8, None, 8, None])
+    cache = KVCache(layout, num_blocks=6, huge_pages="off", groups=groups)
+    assert cache.pool.shape[1] == 2 and cache.nbytes == 6 * 2 * layout.layer_bytes
+    assert [cache.group_of(i) for i in range(4)] == [1, 0, 1, 0]
+    block = torch.arange(layout.block_bytes // 4, dtype=torch.float32).view(layout.block_shape)
+    cache.scatter_block(2, (5,), block)
+    out = torch.full(layout.block_shape, -1.0)
+    cache.gather_block(2, (5,), out)
+    assert torch.equal(out, block)
+    k3, _ = cache.layer(3)
+    assert torch.equal(k3[2], block[3, 0]) and torch.equal(cache.layer(2)[1][5], block[2, 1])
+    cache.scatter_block(4, None, block * 2)  # no part: the sliding layers go nowhere
+    cache.gather_block(4, None, out)
+    assert torch.equal(out[[1, 3]], block[[1, 3]] * 2) and not out[[0, 2]].any()
+    assert torch.equal(cache.pool[5], torch.stack([block[0], block[2]]))  # untouched
+    with pytest.raises(RuntimeError):
+        cache.block(2)
