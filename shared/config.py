@@ -59,6 +59,9 @@ class CacheConfig:
     # spills to the KV store, where the connector keeps it, or else recomputes);
     # untouched until used
     swap_space_bytes: int = int(DEFAULT_SWAP_SPACE_GB * (1 << 30))
+    # sliding-window layers keep only their window's KV (shared.kv.layer_groups; CPU
+    # pools); False: every layer keeps every block, as in a model without windows
+    sliding_window_kv: bool = True
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class BatonSettings(BaseSettings):
     swap_space_gb: float = Field(default=DEFAULT_SWAP_SPACE_GB, ge=0)
     prefault_kv: bool = True  # services; `baton generate` (one shot) skips it
     kv_huge_pages: HugePages = "auto"
+    sliding_window_kv: bool = True
     # services: CPUs for the engine thread alone (BATON_CPUS pins the whole process), so
     # HTTP and KV transfers can run on other cores than the model, e.g. "1"
     engine_cpus: str | None = Field(default=None, pattern=r"^\d+(,\d+)*$")
@@ -232,6 +236,7 @@ class BatonSettings(BaseSettings):
                 prefault=self.prefault_kv,
                 huge_pages=self.kv_huge_pages,
                 swap_space_bytes=int(self.swap_space_gb * (1 << 30)),
+                sliding_window_kv=self.sliding_window_kv,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -63,9 +63,10 @@ class Admission:
             # and a slot for every other holder's, or loads could take the pool with none
             # able to go on (the scheduler's unwedging is the backstop)
             own = self.kv.blocks_for(computed + 1) - self.kv.blocks_for(computed)
-            if not self.kv.can_admit(hits, computed, headroom=self.queues.holders() + own):
+            holders = self.queues.holders() + own
+            if not self.kv.can_admit(hits, computed, headroom=holders, start=computed):
                 return None
-            self._take(req, hits, computed, CacheHit(local, ext.num_tokens))
+            self._take(req, hits, computed, computed, CacheHit(local, ext.num_tokens))
             self.queues.waiting.popleft()
             self.preemption.resumed(req, local, computed, pending=True)
             req.status = RequestStatus.WAITING_FOR_KV
@@ -81,9 +82,9 @@ class Admission:
             if not self.config.enable_chunked_prefill and self.queues.running:
                 return None
             num_new = budget
-        if not self.kv.can_admit(hits, computed + num_new):
+        if not self.kv.can_admit(hits, computed + num_new, start=computed):
             return None
-        self._take(req, hits, computed + num_new, CacheHit(local, ext.num_tokens))
+        self._take(req, hits, computed + num_new, computed, CacheHit(local, ext.num_tokens))
         self.preemption.resumed(req, local, computed, pending=False)
         req.num_computed_tokens = computed
         if ext.num_tokens:
@@ -119,8 +120,10 @@ class Admission:
             remaining = min(remaining, cap)
         return remaining if budget is None else min(remaining, budget)
 
-    def _take(self, req: Request, hits: list[Slot], num_tokens: int, hit: CacheHit) -> None:
-        self.kv.admit(req, hits, num_tokens)
+    def _take(
+        self, req: Request, hits: list[Slot], num_tokens: int, start: int, hit: CacheHit
+    ) -> None:
+        self.kv.admit(req, hits, num_tokens, start=start)
         if req.admitted is None:
             req.admitted = time.perf_counter()
         if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
@@ -136,9 +139,9 @@ class Admission:
             return None
         computed = min(swapped.num_tokens, req.num_tokens - 1)
         num_new = min(self.chunk(req.num_tokens - computed, None), budget)
-        if not self.kv.can_admit([], computed + num_new):
+        if not self.kv.can_admit([], computed + num_new, start=computed):
             return None
-        self._take(req, [], computed + num_new, req.cache_hit)
+        self._take(req, [], computed + num_new, computed, req.cache_hit)
         self.preemption.swap_in(req, req.slots)
         req.num_computed_tokens = computed
         self.queues.run(req)

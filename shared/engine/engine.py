@@ -41,7 +41,9 @@ from shared.engine.snapshot import EngineSnapshot
 from shared.errors import InvalidRequestError
 from shared.kv.block_hash import BlockHasher
 from shared.kv.kv_cache import KVCache
+from shared.kv.layer_groups import LayerGroups
 from shared.kv.layout import KVLayout, dtype_name
+from shared.model.arch import ModelArch
 from shared.model.attention_impl import AttentionImpl, select_attention
 from shared.model.decode_attention import TritonDecode
 from shared.model.loader import LoadedModel, load_model
@@ -69,6 +71,7 @@ class Engine:
             config.cache.kv_cache_bytes,
             loaded.model.device,
             config.cache.huge_pages,
+            self._layer_groups(arch, loaded.model.device),
         )
         if config.cache.prefault:
             self.kv_cache.prefault()
@@ -92,7 +95,12 @@ class Engine:
             self.kv_cache.num_blocks - (graphs is not None),
             self.hasher,
             enable_caching=config.cache.enable_prefix_caching,
+            groups=self.kv_cache.groups,
+            window_hold=None if connector is None else connector.window_hold,
+            on_part=self.kv_cache.set_part if self.kv_cache.windowed else None,
         )
+        if self.kv_cache.windowed:
+            self.kv_cache.bind_parts(self.kv.window_part)
         self.connector = connector
         if connector is not None:
             connector.bind(self.kv_cache)
@@ -116,6 +124,14 @@ class Engine:
         # called on the engine thread after each layer's K/V are written (before they
         # are saved): it may change the thread count (see shared.engine.elastic_threads)
         self.between_layers: Callable[[], None] | None = None
+
+    def _layer_groups(self, arch: ModelArch, device: str) -> LayerGroups:
+        """The pool's layer groups: sliding-window layers apart (they keep only their
+        window's blocks) where the config allows and the pool is on the CPU."""
+        windows = [arch.window(i) for i in range(arch.num_layers)]
+        if not self.config.cache.sliding_window_kv or device != "cpu":
+            return LayerGroups.full(arch.num_layers)
+        return LayerGroups.split(windows)
 
     def _decode_graphs(self, loaded: LoadedModel, attention: AttentionImpl) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, where the config asks for them and they can run:

@@ -1,10 +1,12 @@
 """Host memory that preempted requests' KV blocks are swapped to (see shared.engine.swap).
 
 Blocks have the pool's layout, one contiguous ``block_shape`` tensor each, so a
-swap is one copy per block. On a CPU engine the space is an anonymous mapping
-like the pool's (it costs nothing until a block is first written); beside a GPU
-pool it is pinned host memory, so the copies run at DMA speed. Ownership: the
-engine's, which calls :meth:`HostSwapSpace.run` on the engine thread only.
+swap is one copy per block (a pool split by layer groups gathers a block from
+its slot and its window part, the part as the copy was planned). On a CPU
+engine the space is an anonymous mapping like the pool's (it costs nothing
+until a block is first written); beside a GPU pool it is pinned host memory, so
+the copies run at DMA speed. Ownership: the engine's, which calls
+:meth:`HostSwapSpace.run` on the engine thread only.
 """
 
 from __future__ import annotations
@@ -41,10 +43,16 @@ class HostSwapSpace:
     def run(self, plan: SwapPlan) -> CopyTiming:
         """Run a step's copies (before its forward); returns what they moved and took."""
         t0 = time.perf_counter()
-        for c in plan.copy_out:
-            self.blocks[c.host].copy_(self.pool.pool[c.slot], non_blocking=True)
-        for c in plan.copy_in:
-            self.pool.pool[c.slot].copy_(self.blocks[c.host], non_blocking=True)
+        if self.pool.windowed:  # a block spans its slot and its window part's
+            for c in plan.copy_out:
+                self.pool.gather_block(c.slot, c.part, self.blocks[c.host])
+            for c in plan.copy_in:
+                self.pool.scatter_block(c.slot, c.part, self.blocks[c.host])
+        else:
+            for c in plan.copy_out:
+                self.blocks[c.host].copy_(self.pool.pool[c.slot], non_blocking=True)
+            for c in plan.copy_in:
+                self.pool.pool[c.slot].copy_(self.blocks[c.host], non_blocking=True)
         if self.pool.pool.device.type == "cuda":
             torch.cuda.synchronize(self.pool.pool.device)
         n = len(plan.copy_out) + len(plan.copy_in)

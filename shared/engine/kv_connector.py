@@ -65,7 +65,9 @@ class KVConnector(ABC):
     - save: the slots of the requests in a step are read by :meth:`save_layer`
       until :meth:`end_step` returns. Slots of a request for which
       :meth:`request_finished` returned True are read until :meth:`poll`
-      reports it ``released``; the engine keeps them until then.
+      reports it ``released``; the engine keeps them until then. With
+      sliding-window layers, a block's window part (see
+      :mod:`shared.kv.layer_groups`) stays from :meth:`window_hold` on.
 
     Threads: every method runs on the engine thread. Only
     :meth:`wait_for_layer` and :meth:`end_step` block, and only as long as
@@ -111,6 +113,12 @@ class KVConnector(ABC):
         """The request ended (finished, aborted or failed). True: the connector still
         reads or writes its slots (a save or a load in flight); the engine keeps them
         until :meth:`poll` reports the request ``released``."""
+
+    def window_hold(self, request: Request) -> int | None:
+        """The first block of ``request`` whose window part the connector will still
+        read from the pool after this step (its sliding layers, not yet sent); None:
+        none. The engine keeps those parts even once no row reads them."""
+        return None
 
     def spill(self, request: Request) -> bool:
         """The request is preempted and host swap space is full: keep what of its KV

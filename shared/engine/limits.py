@@ -3,6 +3,7 @@ shared by the engine's edge validation and the scheduler (any thread may call th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.kv_cache_manager import cdiv
@@ -14,8 +15,10 @@ from shared.errors import InvalidRequestError, RequestTooLongError
 class RequestLimits:
     max_model_len: int  # prompt + output tokens
     block_size: int
-    num_slots: int  # KV blocks of the pool: one request may not need more
+    num_slots: int  # slots of the KV pool: one request may not hold more at once
     eos_token_ids: tuple[int, ...] = ()
+    # the most slots a request of so many tokens holds at once (None: a block each)
+    slots_for: Callable[[int], int] | None = None
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise for a request this engine can never run, whatever else it is running."""
@@ -27,7 +30,8 @@ class RequestLimits:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{total} exceeds the context length {self.max_model_len}"
             )
-        if cdiv(total, self.block_size) > self.num_slots:
+        need = cdiv(total, self.block_size) if self.slots_for is None else self.slots_for(total)
+        if need > self.num_slots:
             raise RequestTooLongError(
                 f"{total} tokens need more KV blocks than this instance has "
                 f"({self.num_slots} x {self.block_size} tokens)"

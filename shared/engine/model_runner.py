@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,6 +15,7 @@ from shared.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from shared.kv.kv_cache import KVCache
 from shared.model.attention import (
     AttentionMetadata,
+    BlockRun,
     DecodeBatch,
     DecodeGroup,
     PrefillSegment,
@@ -69,10 +70,17 @@ def decode_groups(
 
 
 def build_input(
-    step: SchedulerOutput, block_size: int, device: str, *, split_decodes: bool = True
+    step: SchedulerOutput,
+    block_size: int,
+    device: str,
+    *,
+    split_decodes: bool = True,
+    part_table: torch.Tensor | None = None,
 ) -> ModelInput:
     """Flatten a step: decode rows first (one token each), then each prefill segment.
-    ``split_decodes``: group decode rows by context width (attention that pads them)."""
+    ``split_decodes``: group decode rows by context width (attention that pads them).
+    ``part_table`` (``[slots, groups]``, a pool split by layer groups): each block's
+    window part, from which the metadata's ``window_groups`` are translated."""
     # decode rows sorted by context length, so that rows of similar length share a group
     decodes = sorted(
         (s for s in step.scheduled if s.num_new_tokens == 1),
@@ -81,26 +89,73 @@ def build_input(
     prefills = [s for s in step.scheduled if s.num_new_tokens > 1]
     ids: list[int] = []
     positions: list[int] = []
-    runs: list[SlotRun] = []
-    segments: list[PrefillSegment] = []
+    rows: list[tuple[ScheduledRequest, int]] = []  # each prefill and its first row
     logits_rows: list[int] = []
     sampled: list[ScheduledRequest] = []
     for s in decodes + prefills:
         req = s.request
-        start, row0 = req.num_computed_tokens, len(ids)
+        start = req.num_computed_tokens
         end = start + s.num_new_tokens
+        if s.num_new_tokens > 1:
+            rows.append((s, len(ids)))
         ids.extend(req.token_at(pos) for pos in range(start, end))
         positions.extend(range(start, end))
-        if s.num_new_tokens > 1:
-            runs.extend(prefill_runs(row0, start, end, req.slots, block_size))
-            table = torch.tensor(req.slots[: -(-end // block_size)], device=device)
-            segments.append(PrefillSegment(row0, len(ids), table, end))
         if s.samples:
             logits_rows.append(len(ids) - 1)
             sampled.append(s)
     ctx = [s.request.num_computed_tokens + 1 for s in decodes]
+    meta = _metadata(decodes, rows, ctx, len(ids), block_size, device, split_decodes)
+    if part_table is not None and part_table.shape[1]:
+        groups = tuple(_translated(meta, part_table[:, g]) for g in range(part_table.shape[1]))
+        meta = replace(meta, window_groups=groups)
+    return ModelInput(
+        input_ids=torch.tensor(ids, device=device),
+        positions=torch.tensor(positions, device=device),
+        meta=meta,
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        sampled=tuple(sampled),
+    )
+
+
+def _translated(meta: AttentionMetadata, part_of: torch.Tensor) -> AttentionMetadata:
+    """``meta`` with every block's slot replaced by ``part_of[slot]`` (one sliding
+    group's slot of its window part; 0 for blocks without one, which no row reads)."""
+    return AttentionMetadata(
+        slot_blocks=part_of[meta.slot_blocks],
+        slot_offsets=meta.slot_offsets,
+        slot_runs=tuple(replace(r, block=int(part_of[r.block])) for r in meta.slot_runs),
+        block_runs=tuple(BlockRun(r.row, part_of[r.blocks]) for r in meta.block_runs),
+        num_decodes=meta.num_decodes,
+        decode=tuple(
+            replace(g, batch=replace(g.batch, tables=part_of[g.batch.tables])) for g in meta.decode
+        ),
+        prefills=tuple(replace(p, block_table=part_of[p.block_table]) for p in meta.prefills),
+    )
+
+
+def _metadata(
+    decodes: Sequence[ScheduledRequest],
+    prefills: Sequence[tuple[ScheduledRequest, int]],
+    ctx: Sequence[int],
+    num_rows: int,
+    block_size: int,
+    device: str,
+    split_decodes: bool,
+) -> AttentionMetadata:
+    """Where the step's rows write and read K/V (the slots of layer group 0)."""
+    runs: list[SlotRun] = []
+    segments: list[PrefillSegment] = []
+    for i, (s, row0) in enumerate(prefills):
+        req = s.request
+        start = req.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = req.slots
+        runs.extend(prefill_runs(row0, start, end, table, block_size))
+        row_end = prefills[i + 1][1] if i + 1 < len(prefills) else num_rows
+        blocks = torch.tensor(table[: -(-end // block_size)], device=device)
+        segments.append(PrefillSegment(row0, row_end, blocks, end))
     partial, whole = split_whole_blocks(runs, block_size, device)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_blocks=torch.tensor(
             [s.request.slots[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
             dtype=torch.long,
@@ -114,13 +169,6 @@ def build_input(
         num_decodes=len(decodes),
         decode=decode_groups(decodes, ctx, block_size, device, split_decodes),
         prefills=tuple(segments),
-    )
-    return ModelInput(
-        input_ids=torch.tensor(ids, device=device),
-        positions=torch.tensor(positions, device=device),
-        meta=meta,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
-        sampled=tuple(sampled),
     )
 
 
@@ -179,7 +227,11 @@ class ModelRunner:
         self, step: SchedulerOutput, on_layer: LayerHook | None
     ) -> tuple[torch.Tensor, tuple[ScheduledRequest, ...]]:
         inp = build_input(
-            step, self.block_size, self.device, split_decodes=self.attention.decode.pads_to_width
+            step,
+            self.block_size,
+            self.device,
+            split_decodes=self.attention.decode.pads_to_width,
+            part_table=self.kv_cache.part_table,
         )
         hook = None if on_layer is None else (lambda layer: on_layer(layer, step))
         logits = self.model.forward(

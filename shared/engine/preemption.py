@@ -14,17 +14,28 @@ leave with the step's output (:meth:`take_plan`).
 
 from __future__ import annotations
 
-from shared.engine.kv_cache_manager import Slot, cdiv
+from collections.abc import Callable
+from dataclasses import replace
+
+from shared.engine.kv_cache_manager import Slot, WindowPart, cdiv
 from shared.engine.kv_connector import KVConnector
 from shared.engine.request import Request, RequestId
 from shared.engine.swap import BlockCopy, CheaperToRecompute, HostSwapFull, Swapper, SwapPlan
 
 
 class Preemption:
-    def __init__(self, swapper: Swapper | None, connector: KVConnector | None, block_size: int):
+    def __init__(
+        self,
+        swapper: Swapper | None,
+        connector: KVConnector | None,
+        block_size: int,
+        window_part: Callable[[Slot], WindowPart | None] | None = None,
+    ):
+        """``window_part``: a slot's window part now (a pool with sliding-window layers)."""
         self.swapper = swapper
         self.connector = connector
         self.block_size = block_size
+        self.window_part = window_part
         self.num_preemptions = 0  # swapped, spilled or recomputed
         self._copy_out: list[BlockCopy] = []
         self._copy_in: list[BlockCopy] = []
@@ -57,15 +68,24 @@ class Preemption:
                 stats.recomputes_no_room += 1
             return False
         req.swapped = swapped
-        self._copy_out.extend(copies)
+        self._copy_out.extend(self._with_parts(copies))
         return True
+
+    def _with_parts(self, copies: list[BlockCopy]) -> list[BlockCopy]:
+        """The copies with each slot's window part now: the slots may be handed on
+        before the copies run."""
+        part = self.window_part
+        if part is None:
+            return copies
+        return [replace(c, part=part(c.slot)) for c in copies]
 
     def swap_in(self, req: Request, slots: list[Slot]) -> None:
         """Plan the copies of a swapped-out request's blocks into its fresh ``slots``."""
         swapped = req.swapped
         if swapped is None or self.swapper is None:
             raise RuntimeError(f"{req.request_id} has nothing swapped out")
-        self._copy_in.extend(self.swapper.swap_in(swapped, slots[: len(swapped.host_blocks)]))
+        copies = self.swapper.swap_in(swapped, slots[: len(swapped.host_blocks)])
+        self._copy_in.extend(self._with_parts(copies))
         req.swapped = None
 
     def resumed(self, req: Request, local: int, computed: int, *, pending: bool) -> None:

@@ -79,10 +79,12 @@ class Request:
     load_external: bool = True  # False once a load failed: recompute instead
     # keys of its full blocks, computed once (the KV cache manager extends them)
     block_keys: list[BlockKey] = field(default_factory=list)
-    # written only by the KV cache manager: its pool slots, and how many leading
-    # blocks are registered in the prefix cache
+    # written only by the KV cache manager: its pool slots, how many leading blocks
+    # are registered in the prefix cache, and (sliding-window layers) the first block
+    # whose window part it holds
     slots: list[Slot] = field(default_factory=list)
     num_cached_blocks: int = 0
+    window_from: int = 0
     finish_reason: FinishReason | None = None
     # preempted with its KV in host memory (shared.engine.swap); None otherwise
     swapped: SwappedOut | None = None

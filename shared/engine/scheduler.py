@@ -72,9 +72,17 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.connector = connector
-        self.preemption = Preemption(swapper, connector, kv.block_size)
+        window_part = kv.window_part if kv.part_size else None
+        self.preemption = Preemption(swapper, connector, kv.block_size, window_part)
         self.loads = KVLoads(connector, kv.block_size)  # asynchronous loads in flight
-        self.limits = RequestLimits(max_model_len, kv.block_size, kv.num_slots, eos_token_ids)
+        chunk = config.max_num_batched_tokens
+        self.limits = RequestLimits(
+            max_model_len,
+            kv.block_size,
+            kv.num_slots,
+            eos_token_ids,
+            (lambda n: kv.max_slots(n, chunk)) if kv.part_size else None,
+        )
         self.queues = RequestQueues()
         self.admission = Admission(config, kv, self.queues, self.loads, self.preemption)
 
@@ -213,8 +221,9 @@ class Scheduler:
         first can go on. Without room even then, wait for the loads, first tokens and
         releases that free slots (each wakes the engine)."""
         first, rest = stuck[0], stuck[1:]
-        need = self.kv.blocks_for(first.num_tokens) - len(first.slots)
-        if need > self.kv.num_free + sum(len(r.slots) for r in rest):
+        blocks = self.kv.blocks_for(first.num_tokens) - len(first.slots)
+        need = blocks * (1 + self.kv.part_size)
+        if need > self.kv.num_free + sum(self.kv.slots_held(r) for r in rest):
             return
         while rest:
             self._release(rest.pop())

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NewType
 
-from shared.engine.kv_cache_manager import Slot
+from shared.engine.kv_cache_manager import Slot, WindowPart
 
 HostBlock = NewType("HostBlock", int)
 
@@ -57,10 +57,13 @@ class PreemptionMode(Enum):
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """One block between a pool slot and a host block (the direction is the list's)."""
+    """One block between a pool slot and a host block (the direction is the list's).
+    ``part``: the block's window part when the copy is planned (sliding-window layers;
+    None: the host block's sliding layers are not copied)."""
 
     slot: Slot
     host: HostBlock
+    part: WindowPart | None = None
 
 
 @dataclass(frozen=True)

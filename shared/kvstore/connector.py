@@ -348,7 +348,8 @@ class KVStoreConnector(KVConnector):
         block whose last token is computed now; on the prompt's last chunk, the partial
         tail too) and the store lacks. A step that sends whole blocks at its end defers
         an earlier chunk's blocks to the prompt's last chunk: written while the next
-        chunk computes, they would take the CPU it computes on."""
+        chunk computes, they would take the CPU it computes on (not with a pool split by
+        layer groups: the chunk's window parts would have to stay until then)."""
         bs = self.layout.block_size
         out = []
         for s in step.scheduled:
@@ -358,7 +359,9 @@ class KVStoreConnector(KVConnector):
                 continue
             end = s.request.num_computed_tokens + s.num_new_tokens
             last_chunk = end >= s.request.num_prompt_tokens
-            if self._step_whole and not last_chunk:
+            # deferred, a pool split by layer groups would keep every window part of
+            # the prompt until its last chunk (see window_hold)
+            if self._step_whole and not last_chunk and not self.pool_windowed:
                 continue
             final = cdiv(end, bs) if last_chunk else end // bs
             final = min(final, len(job.ids))
@@ -398,6 +401,24 @@ class KVStoreConnector(KVConnector):
         if failed:
             log.warning("%d in-step KV loads failed; recomputing those requests", len(failed))
         return failed
+
+    @property
+    def pool_windowed(self) -> bool:
+        return self.pool is not None and self.pool.windowed
+
+    def window_hold(self, request: Request) -> int | None:
+        """The put's first block not sent yet, and the first block replication has not
+        staged: both read the pool later (with its sliding layers)."""
+        plan = _plan(request)
+        if plan is None:
+            return None
+        holds = []
+        if plan.put_job is not None:
+            holds.append(plan.put_job.next_block)
+        staged = self.replicator.staged_blocks(request.request_id)
+        if staged is not None:
+            holds.append(staged)
+        return min(holds, default=None)
 
     def request_finished(self, request: Request) -> bool:
         plan = _plan(request)

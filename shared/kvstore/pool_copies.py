@@ -1,10 +1,15 @@
 """Moving KV bytes between an engine's pool and the host buffers the store's transports use.
 
-Two implementations of one boundary, chosen by where the pool lives
-(:func:`pool_copies`):
+Three implementations of one boundary, chosen by where the pool lives and how it
+holds a block (:func:`pool_copies`):
 
 - :class:`InPlace` (a CPU pool): the transports send from and receive into the
   slots' own bytes; nothing is copied and nothing waits.
+- :class:`Gathered` (a CPU pool split by layer groups, for sliding-window
+  layers): a block's layers are spread over several slots, so whole blocks are
+  gathered into (and scattered from) host rows in the layout's format; one layer
+  of a block is still sent from its slot in place. A block whose window part is
+  gone (no row to compute reads it) arrives without its sliding layers.
 - :class:`Staged` (a CUDA pool): bytes go through pinned host buffers. Every
   copy runs on one dedicated copy stream; a copy out of the pool is ordered
   after the compute that produced the bytes by a CUDA event recorded on the
@@ -153,6 +158,63 @@ class InPlace(PoolCopies):
         return Landing(list(slots), [self.pool.block(s) for s in slots])
 
 
+class Gathered(PoolCopies):
+    """A CPU pool split by layer groups (see the module): each block's window part
+    comes from the pool's lookup, read when the copy runs; a request holds the parts
+    of the blocks it moves, so they do not change meanwhile."""
+
+    staged = False
+
+    def _typed(self, row: torch.Tensor) -> torch.Tensor:
+        return row.view(self.layout.torch_dtype).view(self.layout.block_shape)
+
+    def from_pool(
+        self, slots: Sequence[Slot], layer: int | None = None, out: torch.Tensor | None = None
+    ) -> SlotBytes:
+        pool = self.pool
+        if layer is not None and out is None:
+            rows = []
+            for s in slots:
+                view = pool.layer_slot(s, layer, pool.part_of(s))
+                if view is None:
+                    raise RuntimeError(f"layer {layer} of the block in slot {s} is not held")
+                rows.append(view.reshape(-1).view(torch.uint8))
+            return SlotBytes(rows, reads_pool=True)
+        nbytes = self.layout.block_bytes if layer is None else self.layout.layer_bytes
+        host = out if out is not None else torch.empty((len(slots), nbytes), dtype=torch.uint8)
+        for s, row in zip(slots, host, strict=False):
+            part = pool.part_of(s)
+            if layer is None:
+                pool.gather_block(s, part, self._typed(row))
+            else:
+                view = pool.layer_slot(s, layer, part)
+                if view is None:
+                    raise RuntimeError(f"layer {layer} of the block in slot {s} is not held")
+                row.copy_(view.reshape(-1).view(torch.uint8))
+        return SlotBytes(list(host[: len(slots)]))
+
+    def blocks(self, slots: Sequence[Slot]) -> SlotBytes:
+        return self.from_pool(slots)
+
+    def landing(self, slots: Sequence[Slot]) -> Landing:
+        host = torch.zeros((len(slots), self.layout.block_bytes), dtype=torch.uint8)
+        return Landing(list(slots), list(host), host)
+
+    def layer_to_pool(self, landing: Landing, layer: int) -> Ready:
+        lb = self.layout.layer_bytes
+        for s, row in zip(landing.slots, landing.rows, strict=True):
+            view = self.pool.layer_slot(s, layer, self.pool.part_of(s))
+            if view is not None:
+                src = row[layer * lb : (layer + 1) * lb].view(view.dtype).view(view.shape)
+                view.copy_(src)
+        return Ready()
+
+    def blocks_to_pool(self, landing: Landing) -> Ready:
+        for s, row in zip(landing.slots, landing.rows, strict=True):
+            self.pool.scatter_block(s, self.pool.part_of(s), self._typed(row))
+        return Ready()
+
+
 class Staged(PoolCopies):
     """A CUDA pool, through pinned host buffers on one copy stream (see the module)."""
 
@@ -239,5 +301,8 @@ def _pinned(count: int, nbytes: int) -> torch.Tensor:
 
 
 def pool_copies(pool: KVCache) -> PoolCopies:
-    """In place for a CPU pool, staged through pinned memory for a CUDA one."""
-    return Staged(pool) if pool.pool.device.type == "cuda" else InPlace(pool)
+    """In place for a CPU pool (gathered when it is split by layer groups), staged
+    through pinned memory for a CUDA one."""
+    if pool.pool.device.type == "cuda":
+        return Staged(pool)
+    return Gathered(pool) if pool.windowed else InPlace(pool)

@@ -58,6 +58,12 @@ class Replicator:
         bs = self.tasks.layout_block_size()
         return rep is not None and rep.staged * bs > req.num_prompt_tokens
 
+    def staged_blocks(self, request_id: RequestId) -> int | None:
+        """How many leading blocks of the request are staged (or were in the store); the
+        rest is read from its slots later. None: it does not replicate."""
+        rep = self.replications.get(request_id)
+        return None if rep is None else rep.staged
+
     def committed_ids(self, request_id: RequestId) -> list[str]:
         """Ids of the request's leading blocks committed to the store, in order."""
         rep = self.replications.get(request_id)

@@ -116,6 +116,13 @@ class AttentionMetadata:
     decode: tuple[DecodeGroup, ...]  # decode rows in groups of similar context length
     prefills: tuple[PrefillSegment, ...]
     block_runs: tuple[BlockRun, ...] = ()  # prefill rows filling whole blocks: one copy per run
+    # the same rows addressed in the slots of each further layer group (sliding-window
+    # layers' window parts, see shared.kv.layer_groups); () for a pool of one group
+    window_groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata addressing layer group ``group``'s slots."""
+        return self if group == 0 else self.window_groups[group - 1]
 
 
 def split_whole_blocks(

@@ -155,10 +155,11 @@ class Gemma3Model(DecoderModel):
             q, k = self._rotated(qkv, positions, norms, rope)
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
             k_pool, v_pool = kv.layer(idx)
-            write_kv(k_pool, v_pool, k, v, meta, attention.decode)
+            slots = meta.for_group(kv.group_of(idx))  # a sliding layer: its window parts
+            write_kv(k_pool, v_pool, k, v, slots, attention.decode)
             if on_layer is not None:
                 on_layer(idx)
-            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention, window)
+            attn = paged_attention(q, k, v, k_pool, v_pool, slots, self.scale, attention, window)
             o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)
             h = h + ops.rms_norm(o, norms.attn_out, eps)
             x = ops.rms_norm(h, lw.post_norm, eps)

@@ -171,7 +171,7 @@ class Worker:
             dtype=config.dtype,
             kv_namespace=engine.hasher.namespace,
             block_size=engine.layout.block_size,
-            capacity_bytes=engine.kv_cache.num_blocks * engine.layout.block_bytes,
+            capacity_bytes=engine.kv_cache.nbytes,
             started_at=time.time(),
         )
 
@@ -184,11 +184,12 @@ class Worker:
         await self.heartbeat.beat()
         self.heartbeat.start()
         log.info(
-            "%s %s ready: %s, %d KV blocks, prefix caching %s, http %s:%d",
+            "%s %s ready: %s, %d KV slots (%s), prefix caching %s, http %s:%d",
             self.role,
             self.instance_id,
             engine.loaded.name,
             engine.kv_cache.num_blocks,
+            engine.kv_cache.groups.describe(),
             "on" if self.caching else "off",
             self.settings.advertise_host,
             port,

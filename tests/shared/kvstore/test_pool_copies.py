@@ -115,3 +115,42 @@ def test_staged_blocks_are_device_rows_ready_after_the_queued_compute() -> None:
     assert rows.reads_pool and rows.buffers[0].is_cuda
     asyncio.run(rows.ready.wait())
     assert torch.equal(rows.buffers[0].cpu(), host_bytes(pool, 4))
+
+
+def test_a_split_pool_is_gathered_and_one_layer_stays_in_place() -> None:
+    """A pool split by layer groups (layers 0 and 2 sliding): whole blocks leave as
+    layout-format copies, a layer of a block is its slot's own bytes, and a landing
+    fills each layer's slot (a block without a part keeps only its global layers)."""
+    from shared.kv.layer_groups import LayerGroups
+    from shared.kvstore.pool_copies import Gathered
+
+    groups = LayerGroups.split([16, None, 16, None])
+    pool = KVCache(LAYOUT, 12, huge_pages="off", groups=groups)
+    gen = torch.Generator().manual_seed(1)
+    pool.pool.copy_(torch.randn(pool.pool.shape, generator=gen).to(pool.pool.dtype))
+    parts = {Slot(3): (Slot(8),), Slot(4): None}
+    pool.bind_parts(lambda s: parts.get(Slot(s)))
+    copies = pool_copies(pool)
+    assert isinstance(copies, Gathered) and not copies.staged
+    sliding = copies.from_pool(slots(3), layer=2)
+    assert sliding.reads_pool and sliding.buffers[0].data_ptr() == pool.pool[8, 1].data_ptr()
+    whole = copies.blocks(slots(3, 4))
+    assert not whole.reads_pool
+    typed = [b.view(pool.pool.dtype).view(LAYOUT.block_shape) for b in whole.buffers]
+    assert torch.equal(typed[0][2], pool.pool[8, 1]) and torch.equal(typed[0][3], pool.pool[3, 1])
+    assert not typed[1][0].any() and torch.equal(typed[1][1], pool.pool[4, 0])
+    with pytest.raises(RuntimeError):
+        copies.from_pool(slots(4), layer=0)  # its part is gone: a bug to read it
+
+    source = [b.clone() for b in whole.buffers]
+    pool.pool.zero_()
+    landing = copies.landing(slots(3, 4))
+    for row, src in zip(landing.rows, source, strict=True):
+        row.copy_(src)
+    copies.layer_to_pool(landing, 1)
+    assert torch.equal(
+        pool.pool[3, 0].reshape(-1).view(torch.uint8), source[0].view(LAYOUT.num_layers, -1)[1]
+    )
+    copies.blocks_to_pool(landing)
+    again = copies.blocks(slots(3, 4))
+    assert all(torch.equal(a, b) for a, b in zip(again.buffers, source, strict=True))
