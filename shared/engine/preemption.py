@@ -15,7 +15,6 @@ leave with the step's output (:meth:`take_plan`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from shared.engine.kv_cache_manager import Slot, WindowPart, cdiv
 from shared.engine.kv_connector import KVConnector
@@ -55,8 +54,12 @@ class Preemption:
         n = req.num_computed_tokens
         if self.swapper is None or n == 0:
             return False
+        blocks = req.slots[: cdiv(n, self.block_size)]
+        window_from = min(req.window_from, len(blocks)) if self.window_part else 0
         try:
-            swapped, copies = self.swapper.swap_out(req.slots[: cdiv(n, self.block_size)], n)
+            swapped, copies = self.swapper.swap_out(
+                [*blocks, *self._part_slots(blocks[window_from:])], n, window_from
+            )
         except CheaperToRecompute:
             return False
         except HostSwapFull:
@@ -68,24 +71,39 @@ class Preemption:
                 stats.recomputes_no_room += 1
             return False
         req.swapped = swapped
-        self._copy_out.extend(self._with_parts(copies))
+        self._copy_out.extend(copies)
         return True
 
-    def _with_parts(self, copies: list[BlockCopy]) -> list[BlockCopy]:
-        """The copies with each slot's window part now: the slots may be handed on
-        before the copies run."""
-        part = self.window_part
-        if part is None:
-            return copies
-        return [replace(c, part=part(c.slot)) for c in copies]
+    def _part_slots(self, blocks: list[Slot]) -> list[Slot]:
+        """The slots of the window parts of ``blocks`` (which hold them), in order."""
+        if self.window_part is None:
+            return []
+        out: list[Slot] = []
+        for slot in blocks:
+            part = self.window_part(slot)
+            if part is None:
+                raise RuntimeError(f"the block in slot {slot} has no window part")
+            out.extend(part)
+        return out
 
     def swap_in(self, req: Request, slots: list[Slot]) -> None:
-        """Plan the copies of a swapped-out request's blocks into its fresh ``slots``."""
+        """Plan the copies of a swapped-out request's blocks into its fresh ``slots``
+        (and window parts: those it holds again, from ``req.window_from`` on)."""
         swapped = req.swapped
         if swapped is None or self.swapper is None:
             raise RuntimeError(f"{req.request_id} has nothing swapped out")
-        copies = self.swapper.swap_in(swapped, slots[: len(swapped.host_blocks)])
-        self._copy_in.extend(self._with_parts(copies))
+        n = len(swapped.host_blocks)
+        blocks = slots[: cdiv(swapped.num_tokens, self.block_size)]
+        targets: list[Slot | None] = list(blocks)
+        if self.window_part is not None and len(blocks) > swapped.window_from:
+            # the parts that went out: from the first block the row computed last read.
+            # A part it holds before that (its new window starts one row back) is never
+            # read: the rows computed from here on read from the swapped ones on
+            size = (n - len(blocks)) // (len(blocks) - swapped.window_from)
+            for i in range(swapped.window_from, len(blocks)):
+                part = self.window_part(blocks[i]) if i >= req.window_from else None
+                targets.extend(part if part is not None else [None] * size)
+        self._copy_in.extend(self.swapper.swap_in(swapped, targets))
         req.swapped = None
 
     def resumed(self, req: Request, local: int, computed: int, *, pending: bool) -> None:

@@ -34,11 +34,12 @@ Output is unchanged: the blocks that come back hold the bytes that went out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NewType
 
-from shared.engine.kv_cache_manager import Slot, WindowPart
+from shared.engine.kv_cache_manager import Slot
 
 HostBlock = NewType("HostBlock", int)
 
@@ -57,22 +58,23 @@ class PreemptionMode(Enum):
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """One block between a pool slot and a host block (the direction is the list's).
-    ``part``: the block's window part when the copy is planned (sliding-window layers;
-    None: the host block's sliding layers are not copied)."""
+    """One pool slot's bytes between the pool and a host block of the slot's size (the
+    direction is the list's)."""
 
     slot: Slot
     host: HostBlock
-    part: WindowPart | None = None
 
 
 @dataclass(frozen=True)
 class SwappedOut:
     """Where a preempted request's KV waits: its first ``num_tokens`` tokens' KV in
-    ``host_blocks``, in order."""
+    ``host_blocks``, one per slot in the order the slots were given (with
+    sliding-window layers: its blocks' slots, then the window parts' slots of its
+    blocks from ``window_from`` on)."""
 
     host_blocks: tuple[HostBlock, ...]
     num_tokens: int
+    window_from: int = 0
 
 
 @dataclass
@@ -144,11 +146,14 @@ class Swapper:
     def num_free(self) -> int:
         return len(self._free)
 
-    def swap_out(self, slots: list[Slot], num_tokens: int) -> tuple[SwappedOut, list[BlockCopy]]:
+    def swap_out(
+        self, slots: list[Slot], num_tokens: int, window_from: int = 0
+    ) -> tuple[SwappedOut, list[BlockCopy]]:
         """Copies that save ``slots`` (the request's first blocks, covering
-        ``num_tokens``) to host blocks; raises :class:`HostSwapFull` (which the scheduler
-        answers with a spill, and counts) before asking the cost model, which prices only
-        host copies, or :class:`CheaperToRecompute`."""
+        ``num_tokens``, then any window parts' slots) to host blocks; raises
+        :class:`HostSwapFull` (which the scheduler answers with a spill, and counts)
+        before asking the cost model, which prices only host copies, or
+        :class:`CheaperToRecompute`."""
         if len(slots) > len(self._free):  # the next tier (the connector) decides for itself
             raise HostSwapFull("the host swap space is full")
         nbytes = len(slots) * self.block_bytes
@@ -160,17 +165,24 @@ class Swapper:
         self.stats.swaps_out += 1
         self.stats.bytes_out += nbytes
         copies = [BlockCopy(s, h) for s, h in zip(slots, hosts, strict=True)]
-        return SwappedOut(tuple(hosts), num_tokens), copies
+        return SwappedOut(tuple(hosts), num_tokens, window_from), copies
 
-    def swap_in(self, swapped: SwappedOut, slots: list[Slot]) -> list[BlockCopy]:
-        """Copies that bring ``swapped`` back into ``slots``; its host blocks count as
-        free from now on (nothing copies out in the step that runs these)."""
+    def swap_in(self, swapped: SwappedOut, slots: Sequence[Slot | None]) -> list[BlockCopy]:
+        """Copies that bring ``swapped`` back into ``slots`` (aligned with its host
+        blocks; None: that one stays behind, a window part no row reads any more); its
+        host blocks count as free from now on (nothing copies out in the step that runs
+        these)."""
         if len(slots) != len(swapped.host_blocks):
             raise ValueError(f"{len(swapped.host_blocks)} host blocks into {len(slots)} slots")
+        copies = [
+            BlockCopy(s, h)
+            for s, h in zip(slots, swapped.host_blocks, strict=True)
+            if s is not None
+        ]
         self.stats.swaps_in += 1
-        self.stats.bytes_in += len(slots) * self.block_bytes
+        self.stats.bytes_in += len(copies) * self.block_bytes
         self._free.extend(swapped.host_blocks)
-        return [BlockCopy(s, h) for s, h in zip(slots, swapped.host_blocks, strict=True)]
+        return copies
 
     def discard(self, swapped: SwappedOut) -> None:
         """A swapped-out request ended (aborted): its host blocks are free."""

@@ -25,6 +25,33 @@ def computed(n_prompt: int, n_computed: int, block_size: int = 4) -> Request:
     return r
 
 
+def test_a_swap_moves_the_window_parts_a_request_holds_and_brings_back_those_it_needs() -> None:
+    """Sliding-window layers (a fake part lookup: two slots per block): blocks 2 and 3
+    hold parts, so 4 block slots and 4 part slots go out; back in, a request whose
+    window starts at block 3 takes back only block 3's part (block 2's stays behind)."""
+    parts = {Slot(i): (Slot(100 + 2 * i), Slot(101 + 2 * i)) for i in range(20)}
+    p = Preemption(swapper(16), None, block_size=4, window_part=parts.get)
+    r = computed(8, 14)
+    r.window_from = 2
+    p.evict(r)
+    out = p.take_plan().copy_out
+    assert r.swapped is not None and r.swapped.window_from == 2
+    assert [c.slot for c in out] == [0, 1, 2, 3, 104, 105, 106, 107]
+    host_of = {c.slot: c.host for c in out}
+    r.window_from = 3
+    p.swap_in(r, [Slot(10), Slot(11), Slot(12), Slot(13)])
+    back = {c.slot: c.host for c in p.take_plan().copy_in}
+    assert back == {
+        Slot(10): host_of[Slot(0)],
+        Slot(11): host_of[Slot(1)],
+        Slot(12): host_of[Slot(2)],
+        Slot(13): host_of[Slot(3)],
+        Slot(126): host_of[Slot(106)],  # block 13's part gets block 3's
+        Slot(127): host_of[Slot(107)],
+    }
+    assert p.swapper is not None and p.swapper.num_free == 16
+
+
 def test_without_a_swapper_a_preempted_request_starts_over() -> None:
     p = Preemption(None, None, block_size=4)
     r = computed(8, 10)
