@@ -64,7 +64,7 @@ class Admission:
             # able to go on (the scheduler's unwedging is the backstop)
             own = self.kv.blocks_for(computed + 1) - self.kv.blocks_for(computed)
             holders = self.queues.holders() + own
-            if not self.kv.can_admit(hits, computed, headroom=holders, start=computed):
+            if not self.kv.can_admit(hits, computed, headroom=holders, start=computed, req=req):
                 return None
             self._take(req, hits, computed, computed, CacheHit(local, ext.num_tokens))
             self.queues.waiting.popleft()
@@ -82,7 +82,7 @@ class Admission:
             if not self.config.enable_chunked_prefill and self.queues.running:
                 return None
             num_new = budget
-        if not self.kv.can_admit(hits, computed + num_new, start=computed):
+        if not self.kv.can_admit(hits, computed + num_new, start=computed, req=req):
             return None
         self._take(req, hits, computed + num_new, computed, CacheHit(local, ext.num_tokens))
         self.preemption.resumed(req, local, computed, pending=False)
@@ -139,7 +139,7 @@ class Admission:
             return None
         computed = min(swapped.num_tokens, req.num_tokens - 1)
         num_new = min(self.chunk(req.num_tokens - computed, None), budget)
-        if not self.kv.can_admit([], computed + num_new, start=computed):
+        if not self.kv.can_admit([], computed + num_new, start=computed, req=req):
             return None
         self._take(req, [], computed + num_new, computed, req.cache_hit)
         self.preemption.swap_in(req, req.slots)

@@ -155,7 +155,8 @@ class KVCacheManager:
     def local_hit(self, req: Request, max_blocks: int) -> list[Slot]:
         """Slots of the longest prefix of ``req``'s first ``max_blocks`` blocks held here
         (takes no reference); with sliding layers, the longest whose window (the blocks
-        its next row reads) still has every part."""
+        its next row reads) still has every part, as has every block from
+        ``window_hold(req)`` on (the connector will read them whole)."""
         if not self.enable_caching:
             return []
         self.update_keys(req)
@@ -166,12 +167,10 @@ class KVCacheManager:
                 break
             found.append(slot)
         n = len(found)
+        hold = self._hold(req) if self.part_size else 0
         while self.part_size and n:
-            missing = [
-                i
-                for i in range(self.window_first(n * self.block_size), n)
-                if found[i] not in self._part
-            ]
+            first = min(self.window_first(n * self.block_size), hold)
+            missing = [i for i in range(first, n) if found[i] not in self._part]
             if not missing:
                 break
             n = missing[-1]  # a prefix ending before the last block without its part
@@ -196,15 +195,21 @@ class KVCacheManager:
 
     # -- a request's slots -------------------------------------------------------------------
     def can_admit(
-        self, hits: Sequence[Slot], num_tokens: int, headroom: int = 0, start: int = 0
+        self,
+        hits: Sequence[Slot],
+        num_tokens: int,
+        headroom: int = 0,
+        start: int = 0,
+        req: Request | None = None,
     ) -> bool:
         """Whether :meth:`admit` would succeed and leave ``headroom`` blocks' slots free
-        (``start``: the first position the request computes)."""
+        (``start``: the first position the request computes; ``req``: the request,
+        whose ``window_hold`` counts)."""
         blocks = self.blocks_for(num_tokens)
         need = blocks - len(hits)
         taken = sum(1 for s in hits if self._refs[s] == 0)
         if self.part_size:
-            first = min(self.window_first(start), blocks)
+            first = self._parts_from(req, start, blocks)
             for i in range(first, blocks):
                 part = self._part.get(hits[i]) if i < len(hits) else None
                 if part is None:
@@ -218,21 +223,19 @@ class KVCacheManager:
         and window parts for the blocks its rows from position ``start`` on read."""
         if req.slots:
             raise ValueError(f"request {req.request_id} already holds slots")
-        if not self.can_admit(hits, num_tokens, start=start):
+        if not self.can_admit(hits, num_tokens, start=start, req=req):
             raise OutOfSlotsError(f"{num_tokens} tokens do not fit in {self.num_free} free slots")
         blocks = self.blocks_for(num_tokens)
-        first = min(self.window_first(start), blocks)
+        first = self._parts_from(req, start, blocks)
+        if any(self._part.get(slot) is None for slot in hits[first:]):
+            raise ValueError("a cached block the request needs whole has no window part")
         self._acquire(hits)
-        if self.part_size:  # before any allocation, which could evict them
-            for slot in hits[first:]:
-                part = self._part.get(slot)
-                if part is None:
-                    raise ValueError(f"cached block in slot {slot} has no window part")
-                self._acquire(part)
+        for slot in hits[first:]:  # before any allocation, which could evict them
+            self._acquire(self._part[slot])
         req.slots = [*hits, *self._allocate(blocks - len(hits))]
         req.num_cached_blocks = len(hits)
         req.window_from = first if self.part_size else 0
-        for slot in req.slots[max(first, len(hits)) :]:
+        for slot in req.slots[max(first, len(hits)) :] if self.part_size else ():
             self._attach_part(slot)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
@@ -278,14 +281,24 @@ class KVCacheManager:
         return events
 
     # -- window parts ---------------------------------------------------------------------
+    def _hold(self, req: Request | None) -> int:
+        """The first block of ``req`` the connector still reads whole (a large number:
+        none)."""
+        hold = None if req is None or self.window_hold is None else self.window_hold(req)
+        return (1 << 62) if hold is None else hold
+
+    def _parts_from(self, req: Request | None, start: int, blocks: int) -> int:
+        """The first of ``blocks`` blocks whose part a request computing from ``start``
+        holds: its window's, or the connector's hold if earlier."""
+        if not self.part_size:
+            return blocks
+        return min(self.window_first(start), self._hold(req), blocks)
+
     def _advance_window(self, req: Request) -> None:
         """Release the parts of ``req``'s blocks before the window of its next row."""
         if not self.part_size:
             return
-        first = min(self.window_first(req.num_computed_tokens), len(req.slots))
-        hold = self.window_hold(req) if self.window_hold is not None else None
-        if hold is not None:
-            first = min(first, hold)
+        first = self._parts_from(req, req.num_computed_tokens, len(req.slots))
         if first <= req.window_from:
             return
         for slot in req.slots[req.window_from : first]:

@@ -117,6 +117,17 @@ def build_input(
     )
 
 
+def _check_written_parts(step: SchedulerOutput, block_size: int, pool: KVCache) -> None:
+    """Every block a step writes has its window part (the translated block tables give
+    slot 0 to blocks without one, which may only be read past, never written)."""
+    for s in step.scheduled:
+        first = s.request.num_computed_tokens // block_size
+        last = (s.request.num_computed_tokens + s.num_new_tokens - 1) // block_size
+        for slot in s.request.slots[first : last + 1]:
+            if pool.part_of(slot) is None:
+                raise RuntimeError(f"{s.request.request_id}: block in slot {slot} has no part")
+
+
 def _translated(meta: AttentionMetadata, part_of: torch.Tensor) -> AttentionMetadata:
     """``meta`` with every block's slot replaced by ``part_of[slot]`` (one sliding
     group's slot of its window part; 0 for blocks without one, which no row reads)."""
@@ -226,6 +237,8 @@ class ModelRunner:
     def _forward(
         self, step: SchedulerOutput, on_layer: LayerHook | None
     ) -> tuple[torch.Tensor, tuple[ScheduledRequest, ...]]:
+        if self.kv_cache.windowed:
+            _check_written_parts(step, self.block_size, self.kv_cache)
         inp = build_input(
             step,
             self.block_size,

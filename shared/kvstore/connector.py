@@ -117,7 +117,7 @@ class KVStoreConnector(KVConnector):
         self._loads: dict[RequestId, Load] = {}
         self._step_loads: list[Load] = []
         self._poisoned: set[RequestId] = set()
-        self._step_plan: list[tuple[PutJob, list[int], list[Slot]]] = []
+        self._step_plan: list[tuple[PutJob, list[int], list[Slot], bool]] = []
         self.replicator = Replicator(self.tasks, caching=caching)
 
     def bind(self, pool: KVCache) -> None:
@@ -310,11 +310,10 @@ class KVStoreConnector(KVConnector):
             self._step_plan = self._plan_step(step)
             self.replicator.stage(step, self._stored_ids)
         last = layer == self.layout.num_layers - 1
-        for job, idxs, slots in self._step_plan:
+        for job, idxs, slots, whole in self._step_plan:
             if job.request_id in self._poisoned:
                 job.next_block = min(job.next_block, job.step_start)  # rewrite them on retry
                 continue
-            whole = job.whole_blocks or self._step_whole
             if whole and not last:
                 continue
             if whole:
@@ -343,7 +342,7 @@ class KVStoreConnector(KVConnector):
 
         return SlotBytes([rows[i] for i in taken], copies[-1].ready, done=give_back)
 
-    def _plan_step(self, step: SchedulerOutput) -> list[tuple[PutJob, list[int], list[Slot]]]:
+    def _plan_step(self, step: SchedulerOutput) -> list[tuple[PutJob, list[int], list[Slot], bool]]:
         """Per request with a put: the blocks that become final in this step (every
         block whose last token is computed now; on the prompt's last chunk, the partial
         tail too) and the store lacks. A step that sends whole blocks at its end defers
@@ -359,17 +358,21 @@ class KVStoreConnector(KVConnector):
                 continue
             end = s.request.num_computed_tokens + s.num_new_tokens
             last_chunk = end >= s.request.num_prompt_tokens
-            # deferred, a pool split by layer groups would keep every window part of
-            # the prompt until its last chunk (see window_hold)
-            if self._step_whole and not last_chunk and not self.pool_windowed:
+            # a pool split by layer groups sends an earlier chunk's blocks layer by
+            # layer instead: deferred, it would keep every window part of the prompt
+            # until the last chunk (see window_hold); sent whole, staged copies would
+            # wait for the first token ahead of the next chunk's in-place layers
+            split = self.pool_windowed and not last_chunk
+            if self._step_whole and not last_chunk and not split:
                 continue
+            whole = job.whole_blocks or (self._step_whole and not split)
             final = cdiv(end, bs) if last_chunk else end // bs
             final = min(final, len(job.ids))
             job.step_start = job.next_block
             idxs = [i for i in range(job.next_block, final) if i in job.needed]
             job.next_block = max(job.next_block, final)
             if idxs:
-                out.append((job, idxs, [s.request.slots[i] for i in idxs]))
+                out.append((job, idxs, [s.request.slots[i] for i in idxs], whole))
         return out
 
     def _stored_ids(self, req: Request) -> list[str] | None:
@@ -407,15 +410,20 @@ class KVStoreConnector(KVConnector):
         return self.pool is not None and self.pool.windowed
 
     def window_hold(self, request: Request) -> int | None:
-        """The put's first block not sent yet, and the first block replication has not
-        staged: both read the pool later (with its sliding layers)."""
+        """The first block the put still has to send (one the store lacks, a cached
+        prefix's included), and the first block replication has not staged: both read
+        the pool later, sliding layers included."""
         plan = _plan(request)
         if plan is None:
             return None
         holds = []
-        if plan.put_job is not None:
-            holds.append(plan.put_job.next_block)
+        job = plan.put_job
+        if job is not None:  # the first block it still has to send (the store lacks it)
+            holds.append(min((i for i in job.needed if i >= job.next_block), default=len(job.ids)))
         staged = self.replicator.staged_blocks(request.request_id)
+        if staged is None and plan.replicate:  # not started yet: it will start after
+            known = self._stored_ids(request)  # what the store holds (none after a failure)
+            staged = None if known is None else len(known)
         if staged is not None:
             holds.append(staged)
         return min(holds, default=None)

@@ -197,7 +197,7 @@ class Gathered(PoolCopies):
         return self.from_pool(slots)
 
     def landing(self, slots: Sequence[Slot]) -> Landing:
-        host = torch.zeros((len(slots), self.layout.block_bytes), dtype=torch.uint8)
+        host = torch.empty((len(slots), self.layout.block_bytes), dtype=torch.uint8)
         return Landing(list(slots), list(host), host)
 
     def layer_to_pool(self, landing: Landing, layer: int) -> Ready:

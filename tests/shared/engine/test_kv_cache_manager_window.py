@@ -156,6 +156,33 @@ def test_the_connector_hold_keeps_parts_it_still_reads() -> None:
     assert r.window_from == kv.window_first(40)
 
 
+def test_a_hit_the_connector_reads_whole_needs_every_part() -> None:
+    """A request whose put must send its cached prefix again (the store lacks it):
+    the hold covers every block, so the hit ends before the first block without a part,
+    and admission takes the parts of every hit block."""
+    hold: dict[RequestId, int] = {}
+    kv = manager(hold=hold)
+    a = req(list(range(40)))
+    kv.admit(a, [], 4, start=0)
+    run(kv, a, 40)
+    kv.free(a)
+    # 34 never-used slots, then the parts released first (blocks 0 and 1): a filler
+    # of 34 blocks and the parts of its last 2 takes exactly those
+    filler = req(list(range(500, 500 + 34 * BS)))
+    kv.admit(filler, [], filler.num_tokens, start=filler.num_tokens)
+    b = req([*range(40), 99, 98])
+    assert len(kv.local_hit(b, 10)) == 10  # the window's parts are there
+    hold[b.request_id] = 0
+    assert kv.local_hit(b, 10) == []  # block 0's part is gone
+    hold[b.request_id] = 2
+    assert len(kv.local_hit(b, 10)) == 10  # from block 2 on every part is there
+    kv.free(filler)
+    kv.admit(b, kv.local_hit(b, 10), b.num_tokens, start=40)
+    b.num_computed_tokens = 40
+    assert b.window_from == 2  # it holds the parts the connector will read
+    check(kv, [b])
+
+
 def test_growth_fails_whole_when_parts_are_short() -> None:
     kv = manager(num_slots=9)
     r = req(list(range(40)))
