@@ -142,7 +142,9 @@ class KVCacheManager:
         blocks = self.blocks_for(num_tokens)
         if not self.part_size or self.window is None:
             return blocks
-        in_window = cdiv(self.window - 1 + max_chunk, self.block_size) + 2
+        # the window and the step's chunk, and the chunk before it, whose parts stay
+        # until replication has staged them (at the next step's start)
+        in_window = cdiv(self.window - 1 + 2 * max_chunk, self.block_size) + 2
         return blocks + self.part_size * min(blocks, in_window)
 
     # -- block keys ----------------------------------------------------------------------
@@ -168,6 +170,11 @@ class KVCacheManager:
             found.append(slot)
         n = len(found)
         hold = self._hold(req) if self.part_size else 0
+        if self.part_size and self.window is not None and hold < n:
+            # parts held for the connector from ``hold`` on: no more than a window's
+            # worth of them, so the request holds what max_slots allows (the blocks
+            # past that are recomputed, and sent as they are)
+            n = min(n, hold + cdiv(self.window, self.block_size) + 1)
         while self.part_size and n:
             first = min(self.window_first(n * self.block_size), hold)
             missing = [i for i in range(first, n) if found[i] not in self._part]

@@ -421,8 +421,9 @@ class KVStoreConnector(KVConnector):
         if job is not None:  # the first block it still has to send (the store lacks it)
             holds.append(min((i for i in job.needed if i >= job.next_block), default=len(job.ids)))
         staged = self.replicator.staged_blocks(request.request_id)
-        if staged is None and plan.replicate:  # not started yet: it will start after
-            known = self._stored_ids(request)  # what the store holds (none after a failure)
+        if staged is None and plan.replicate and self.tasks.staging is not None:
+            # not started yet: it will start after what the store holds
+            known = self._stored_ids(request)  # (none after a failed load)
             staged = None if known is None else len(known)
         if staged is not None:
             holds.append(staged)
