@@ -317,19 +317,26 @@ class KVStoreConnector(KVConnector):
             if whole and not last:
                 continue
             if whole:
-                item = LayerItem(None, idxs, self._whole_blocks(slots))
+                item = LayerItem(None, idxs, self._whole_blocks(job, slots))
             else:
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer))
             self.tasks.dispatch(job, item)
 
-    def _whole_blocks(self, slots: list[Slot]) -> SlotBytes:
+    def _whole_blocks(self, job: PutJob, slots: list[Slot]) -> SlotBytes:
         """A put's whole blocks: copied into staging buffers when enough are free (a
         memcpy here, and the step ends without waiting for the store), else the slots'
-        own bytes (a CUDA pool's go by DMA), which end_step waits for."""
+        own bytes (a CUDA pool's go by DMA), which end_step waits for; but while the
+        put holds staged copies for the first token, into fresh host rows: the send
+        of the slots' own bytes would queue behind the held ones, and the step that
+        computes that token would wait for it."""
         staging = self.tasks.staging
         taken = staging.take_many(len(slots)) if staging is not None else None
         if staging is None or taken is None:
-            return self.copies.blocks(slots)
+            if job.send_staged.is_set():  # read across threads: a flag, set once
+                return self.copies.blocks(slots)
+            rows = self.copies.staging(len(slots), self.layout.block_bytes)
+            out = self.copies.from_pool(slots, out=rows)
+            return SlotBytes(list(rows), out.ready)
         rows = staging.buffers
         copies = [
             self.copies.from_pool([s], out=rows[i : i + 1])

@@ -541,3 +541,31 @@ async def test_a_spilled_request_aborted_while_it_loads_keeps_its_watermark(
     aborted = prompts[int(rid.removeprefix("d"))]
     assert mark is not None and mark.tokens >= len(aborted) // bs * bs
     assert d.engine.kv.num_free == d.engine.kv.num_slots
+
+
+async def test_whole_blocks_held_for_the_first_token_never_block_the_next_chunk(
+    make_engine: EngineFactory,
+) -> None:
+    """A put of whole blocks held until the first token, for a prompt in 3-block chunks
+    with 4 staging buffers: the second chunk's blocks find too few free, and are copied
+    out of the pool rather than sent from it (the step would wait for a send queued
+    behind the held first chunk, which waits for the token the step computes)."""
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)[:90]
+    expected = reference(make_engine, prompt, GREEDY)
+    async with (
+        node(make_engine, store, max_num_batched_tokens=48, staging_blocks=4) as p,
+        node(make_engine, store) as d,
+    ):
+        req = p.engine.new_request(prompt, _first_only(GREEDY), request_id="p1")
+        plan = await p.connector.plan_prefill(req, whole_blocks=True, hold_staged=True)
+        job = plan.put_job
+        assert job is not None
+        outputs = p.loop.subscribe("p1")
+        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        first = await asyncio.wait_for(next_output(outputs), 60)
+        assert store.node.writes == []  # all held
+        job.send_staged.set()
+        await asyncio.wait_for(asyncio.shield(job.committed), 60)
+        tokens = await d.decode(prompt, GREEDY, "d1", plan.put_ids, first.new_token_ids[0])
+        assert tokens == expected
