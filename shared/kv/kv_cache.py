@@ -4,7 +4,7 @@ With one layer group (:mod:`shared.kv.layer_groups`) a slot is one block laid
 out as :mod:`shared.kv.layout` says. With sliding-window layers a block's layers
 are spread over its group-0 slot and its window part's slots; the transports
 still move blocks in the layout's format, gathered from (and scattered into) the
-slots by :meth:`KVCache.gather_block` and :meth:`KVCache.scatter_block`.
+slots by :meth:`KVCache.gather_blocks` and :meth:`KVCache.scatter_blocks`.
 
 Ownership: the pool belongs to one model runner; which request holds which
 slot (and which window part belongs to which block) is the
@@ -198,21 +198,44 @@ class KVCache:
             return self.pool[slot, i]
         return None if part is None else self.pool[part[g - 1], i]
 
-    def gather_block(self, slot: int, part: Sequence[int] | None, out: torch.Tensor) -> None:
-        """Copy the block into ``out`` (``block_shape``, the pool's dtype); the sliding
-        layers of a block without a part come out as zeros."""
+    def gather_blocks(
+        self, slots: Sequence[int], parts: Sequence[Sequence[int] | None], out: torch.Tensor
+    ) -> None:
+        """Copy the blocks in ``slots`` (whose window parts are ``parts``) into ``out``
+        (``[n, *block_shape]``, the pool's dtype), one gather and one copy per layer
+        group; the sliding layers of a block without a part come out as zeros."""
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.pool.device)
+        missing = [i for i, p in enumerate(parts) if p is None]
         for g, layers in enumerate(self.groups.groups):
-            page = slot if g == 0 else (None if part is None else part[g - 1])
-            rows = list(layers)
-            if page is None:
-                out[rows] = 0
+            if g == 0:
+                pages = idx
             else:
-                out[rows] = self.pool[page, : len(layers)]
+                pages = torch.tensor(
+                    [0 if p is None else p[g - 1] for p in parts], dtype=torch.int64
+                ).to(self.pool.device)
+            src = self.pool.index_select(0, pages)[:, : len(layers)]
+            if g and missing:
+                src[missing] = 0
+            rows = torch.tensor(layers, dtype=torch.int64, device=self.pool.device)
+            out.index_copy_(1, rows, src)
 
-    def scatter_block(self, slot: int, part: Sequence[int] | None, src: torch.Tensor) -> None:
-        """Copy ``src`` (``block_shape``) into the block; a block without a part keeps
-        only its full-attention layers."""
+    def scatter_blocks(
+        self, slots: Sequence[int], parts: Sequence[Sequence[int] | None], src: torch.Tensor
+    ) -> None:
+        """Copy ``src`` (``[n, *block_shape]``) into the blocks in ``slots`` (whose window
+        parts are ``parts``), one gather and one copy per layer group; a block without a
+        part keeps only its full-attention layers."""
+        device = self.pool.device
         for g, layers in enumerate(self.groups.groups):
-            page = slot if g == 0 else (None if part is None else part[g - 1])
-            if page is not None:
-                self.pool[page, : len(layers)] = src[list(layers)]
+            if g == 0:
+                at, pages = list(range(len(slots))), list(slots)
+            else:
+                at = [i for i, p in enumerate(parts) if p is not None]
+                pages = [p[g - 1] for p in parts if p is not None]
+            if not at:
+                continue
+            rows = torch.tensor(layers, dtype=torch.int64, device=device)
+            picked = src.index_select(0, torch.tensor(at, device=device)).index_select(1, rows)
+            self.pool[:, : len(layers)].index_copy_(
+                0, torch.tensor(pages, dtype=torch.int64, device=device), picked
+            )

@@ -165,9 +165,6 @@ class Gathered(PoolCopies):
 
     staged = False
 
-    def _typed(self, row: torch.Tensor) -> torch.Tensor:
-        return row.view(self.layout.torch_dtype).view(self.layout.block_shape)
-
     def from_pool(
         self, slots: Sequence[Slot], layer: int | None = None, out: torch.Tensor | None = None
     ) -> SlotBytes:
@@ -182,15 +179,16 @@ class Gathered(PoolCopies):
             return SlotBytes(rows, reads_pool=True)
         nbytes = self.layout.block_bytes if layer is None else self.layout.layer_bytes
         host = out if out is not None else torch.empty((len(slots), nbytes), dtype=torch.uint8)
+        if layer is None:
+            typed = host[: len(slots)].view(self.layout.torch_dtype)
+            blocks = typed.view(len(slots), *self.layout.block_shape)
+            pool.gather_blocks(slots, [pool.part_of(s) for s in slots], blocks)
+            return SlotBytes(list(host[: len(slots)]))
         for s, row in zip(slots, host, strict=False):
-            part = pool.part_of(s)
-            if layer is None:
-                pool.gather_block(s, part, self._typed(row))
-            else:
-                view = pool.layer_slot(s, layer, part)
-                if view is None:
-                    raise RuntimeError(f"layer {layer} of the block in slot {s} is not held")
-                row.copy_(view.reshape(-1).view(torch.uint8))
+            view = pool.layer_slot(s, layer, pool.part_of(s))
+            if view is None:
+                raise RuntimeError(f"layer {layer} of the block in slot {s} is not held")
+            row.copy_(view.reshape(-1).view(torch.uint8))
         return SlotBytes(list(host[: len(slots)]))
 
     def blocks(self, slots: Sequence[Slot]) -> SlotBytes:
@@ -210,8 +208,12 @@ class Gathered(PoolCopies):
         return Ready()
 
     def blocks_to_pool(self, landing: Landing) -> Ready:
-        for s, row in zip(landing.slots, landing.rows, strict=True):
-            self.pool.scatter_block(s, self.pool.part_of(s), self._typed(row))
+        if landing.host is None or not landing.slots:
+            return Ready()
+        n = len(landing.slots)
+        typed = landing.host[:n].view(self.layout.torch_dtype).view(n, *self.layout.block_shape)
+        parts = [self.pool.part_of(s) for s in landing.slots]
+        self.pool.scatter_blocks(landing.slots, parts, typed)
         return Ready()
 
 

@@ -73,15 +73,17 @@ def test_a_split_pool_gathers_and_scatters_blocks_in_the_layout() -> None:
     assert cache.pool.shape[1] == 2 and cache.nbytes == 6 * 2 * layout.layer_bytes
     assert [cache.group_of(i) for i in range(4)] == [1, 0, 1, 0]
     block = torch.arange(layout.block_bytes // 4, dtype=torch.float32).view(layout.block_shape)
-    cache.scatter_block(2, (5,), block)
-    out = torch.full(layout.block_shape, -1.0)
-    cache.gather_block(2, (5,), out)
-    assert torch.equal(out, block)
+    cache.scatter_blocks([2], [(5,)], block[None])
+    out = torch.full((1, *layout.block_shape), -1.0)
+    cache.gather_blocks([2], [(5,)], out)
+    assert torch.equal(out[0], block)
     k3, _ = cache.layer(3)
     assert torch.equal(k3[2], block[3, 0]) and torch.equal(cache.layer(2)[1][5], block[2, 1])
-    cache.scatter_block(4, None, block * 2)  # no part: the sliding layers go nowhere
-    cache.gather_block(4, None, out)
-    assert torch.equal(out[[1, 3]], block[[1, 3]] * 2) and not out[[0, 2]].any()
+    cache.scatter_blocks([4], [None], block[None] * 2)  # no part: sliding layers go nowhere
+    two = torch.full((2, *layout.block_shape), -1.0)
+    cache.gather_blocks([4, 2], [None, (5,)], two)
+    assert torch.equal(two[0, [1, 3]], block[[1, 3]] * 2) and not two[0, [0, 2]].any()
+    assert torch.equal(two[1], block)
     assert torch.equal(cache.pool[5], torch.stack([block[0], block[2]]))  # untouched
     with pytest.raises(RuntimeError):
         cache.block(2)
