@@ -50,6 +50,7 @@ from shared.transport.base import Buffer, Transport, as_bytes_view
 
 STORE_ROLE = "kvstore"
 log = logging.getLogger(__name__)
+LayerInto = Callable[[int, int], Buffer]  # (block's position, layer) -> where it lands
 
 
 @dataclass
@@ -368,16 +369,19 @@ class KVStoreClient:
         *,
         num_layers: int,
         wait_s: float,
+        layer_into: LayerInto | None = None,
     ) -> AsyncIterator[int]:
         """Yields each layer index, in order, once that layer of every block is in ``into``.
 
-        ``into`` holds one whole-block buffer per id. Each block is read from
+        ``into`` holds one whole-block buffer per id; or ``layer_into(i, layer)``
+        gives where layer ``layer`` of the ``i``-th block goes (a pool whose blocks
+        are not contiguous: ``into`` is then unused). Each block is read from
         its first-ranked holder; if that holder is lost mid-stream (or lost
         the block), its blocks are read again from their next replica. Ends
         only once every block is confirmed committed.
         """
         ranked = await self._ranked(ids)
-        views = [as_bytes_view(b) for b in into]
+        views = [] if layer_into is not None else [as_bytes_view(b) for b in into]
         have: list[set[int]] = [set() for _ in ids]
         done: set[int] = set()
         rank_of = [0] * len(ids)
@@ -385,6 +389,8 @@ class KVStoreClient:
 
         def layer_views(positions: list[int]) -> Callable[[int], list[memoryview]]:
             def slices(layer: int) -> list[memoryview]:
+                if layer_into is not None:
+                    return [as_bytes_view(layer_into(p, layer)) for p in positions]
                 out = []
                 for p in positions:
                     lb = views[p].nbytes // num_layers

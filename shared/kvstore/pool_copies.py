@@ -6,10 +6,11 @@ holds a block (:func:`pool_copies`):
 - :class:`InPlace` (a CPU pool): the transports send from and receive into the
   slots' own bytes; nothing is copied and nothing waits.
 - :class:`Gathered` (a CPU pool split by layer groups, for sliding-window
-  layers): a block's layers are spread over several slots, so whole blocks are
-  gathered into (and scattered from) host rows in the layout's format; one layer
-  of a block is still sent from its slot in place. A block whose window part is
-  gone (no row to compute reads it) arrives without its sliding layers.
+  layers): a block's layers are spread over several slots, so whole blocks leave
+  gathered into host rows in the layout's format; one layer of a block is sent
+  from its slot in place, and a load lands each layer in its slot. A block whose
+  window part is gone (no row to compute reads it) arrives without its sliding
+  layers.
 - :class:`Staged` (a CUDA pool): bytes go through pinned host buffers. Every
   copy runs on one dedicated copy stream; a copy out of the pool is ordered
   after the compute that produced the bytes by a CUDA event recorded on the
@@ -72,11 +73,15 @@ class SlotBytes:
 class Landing:
     """Where a load receives its blocks: ``rows`` (one whole-block ``uint8`` buffer per
     slot, in order); ``host``: the pinned ``[n, block_bytes]`` they are rows of, when
-    staged (None: the rows are the slots themselves)."""
+    staged (None: the rows are the slots themselves); ``layer_into(i, layer)``: where
+    layer ``layer`` of the ``i``-th block goes, for slots whose layers are apart."""
 
     slots: list[Slot]
     rows: list[torch.Tensor]
     host: torch.Tensor | None = None
+    # where each block's layer lands instead, in place (a pool split by layer groups;
+    # ``rows`` is then empty)
+    layer_into: Callable[[int, int], torch.Tensor] | None = None
 
 
 class PoolCopies(ABC):
@@ -195,26 +200,17 @@ class Gathered(PoolCopies):
         return self.from_pool(slots)
 
     def landing(self, slots: Sequence[Slot]) -> Landing:
-        host = torch.empty((len(slots), self.layout.block_bytes), dtype=torch.uint8)
-        return Landing(list(slots), list(host), host)
+        """Each layer lands in its own slot; a sliding layer of a block without a part
+        (no row reads it) lands in a scratch row, overwritten by the next."""
+        pool, order = self.pool, list(slots)
+        parts = [pool.part_of(s) for s in order]  # held by the loading request
+        scratch = torch.empty(self.layout.layer_bytes, dtype=torch.uint8)
 
-    def layer_to_pool(self, landing: Landing, layer: int) -> Ready:
-        lb = self.layout.layer_bytes
-        for s, row in zip(landing.slots, landing.rows, strict=True):
-            view = self.pool.layer_slot(s, layer, self.pool.part_of(s))
-            if view is not None:
-                src = row[layer * lb : (layer + 1) * lb].view(view.dtype).view(view.shape)
-                view.copy_(src)
-        return Ready()
+        def layer_into(i: int, layer: int) -> torch.Tensor:
+            view = pool.layer_slot(order[i], layer, parts[i])
+            return scratch if view is None else view.reshape(-1).view(torch.uint8)
 
-    def blocks_to_pool(self, landing: Landing) -> Ready:
-        if landing.host is None or not landing.slots:
-            return Ready()
-        n = len(landing.slots)
-        typed = landing.host[:n].view(self.layout.torch_dtype).view(n, *self.layout.block_shape)
-        parts = [self.pool.part_of(s) for s in landing.slots]
-        self.pool.scatter_blocks(landing.slots, parts, typed)
-        return Ready()
+        return Landing(order, [], None, layer_into)
 
 
 class Staged(PoolCopies):

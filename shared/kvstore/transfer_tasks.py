@@ -152,7 +152,11 @@ class TransferTasks:
         after each; an asynchronous one lands whole once every layer arrived."""
         landing = copies.landing(load.slots)
         async for layer in self.kv.stream(
-            load.ids, landing.rows, num_layers=self._pool().layout.num_layers, wait_s=load.wait_s
+            load.ids,
+            landing.rows,
+            num_layers=self._pool().layout.num_layers,
+            wait_s=load.wait_s,
+            layer_into=landing.layer_into,
         ):
             ready = Ready() if load.asynchronous else copies.layer_to_pool(landing, layer)
             with self.cond:

@@ -147,7 +147,13 @@ class FakeKVStoreClient:
         await handle.commit()
 
     async def stream(
-        self, ids: Sequence[str], into: Sequence[Buffer], *, num_layers: int, wait_s: float
+        self,
+        ids: Sequence[str],
+        into: Sequence[Buffer],
+        *,
+        num_layers: int,
+        wait_s: float,
+        layer_into: Callable[[int, int], Buffer] | None = None,
     ) -> AsyncIterator[int]:
         self.streams += 1
         self.streamed.append(list(ids))
@@ -167,9 +173,13 @@ class FakeKVStoreClient:
                     if all(b is not None and layer in b.layers for b in blocks):
                         break
                     await self.node.changed.wait()
-                for view, block in zip(views, blocks, strict=True):
+                for i, block in enumerate(blocks):
                     assert block is not None
-                    view[layer * lb : (layer + 1) * lb] = block.data[layer * lb : (layer + 1) * lb]
+                    data = block.data[layer * lb : (layer + 1) * lb]
+                    if layer_into is not None:
+                        np.frombuffer(as_bytes_view(layer_into(i, layer)), dtype=np.uint8)[:] = data
+                    else:
+                        views[i][layer * lb : (layer + 1) * lb] = data
                 yield layer
             while not all(self.node.blocks[i].committed for i in ids):
                 await self.node.changed.wait()

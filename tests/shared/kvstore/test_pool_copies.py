@@ -119,8 +119,8 @@ def test_staged_blocks_are_device_rows_ready_after_the_queued_compute() -> None:
 
 def test_a_split_pool_is_gathered_and_one_layer_stays_in_place() -> None:
     """A pool split by layer groups (layers 0 and 2 sliding): whole blocks leave as
-    layout-format copies, a layer of a block is its slot's own bytes, and a landing
-    fills each layer's slot (a block without a part keeps only its global layers)."""
+    layout-format copies, a layer of a block is its slot's own bytes, and a load lands
+    each layer in its slot (a block without a part keeps only its global layers)."""
     from shared.kv.layer_groups import LayerGroups
     from shared.kvstore.pool_copies import Gathered
 
@@ -145,12 +145,12 @@ def test_a_split_pool_is_gathered_and_one_layer_stays_in_place() -> None:
     source = [b.clone() for b in whole.buffers]
     pool.pool.zero_()
     landing = copies.landing(slots(3, 4))
-    for row, src in zip(landing.rows, source, strict=True):
-        row.copy_(src)
-    copies.layer_to_pool(landing, 1)
-    assert torch.equal(
-        pool.pool[3, 0].reshape(-1).view(torch.uint8), source[0].view(LAYOUT.num_layers, -1)[1]
-    )
-    copies.blocks_to_pool(landing)
+    assert landing.rows == [] and landing.layer_into is not None
+    lb = LAYOUT.layer_bytes
+    for i, src in enumerate(source):
+        for layer in range(LAYOUT.num_layers):
+            landing.layer_into(i, layer).copy_(src[layer * lb : (layer + 1) * lb])
     again = copies.blocks(slots(3, 4))
-    assert all(torch.equal(a, b) for a, b in zip(again.buffers, source, strict=True))
+    assert torch.equal(again.buffers[0], source[0])  # every layer in its slot
+    assert torch.equal(again.buffers[1].view(4, -1)[[1, 3]], source[1].view(4, -1)[[1, 3]])
+    assert not again.buffers[1].view(4, -1)[[0, 2]].any()  # no part: not kept
