@@ -5,21 +5,19 @@ model; the invariants are checked after every operation of a random workload."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 
 from shared.engine.kv_cache_manager import KVCacheManager, Slot, WindowPart
 from shared.engine.request import Request, RequestId
-from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHasher
 from shared.kv.layer_groups import LayerGroups
+from tests.shared.engine.test_kv_cache_manager import req
 
 BS = 4
 WINDOW = 8  # tokens: a row reads its block and up to two before it
 GROUPS = LayerGroups(((2, 5), (0, 1), (3, 4)), WINDOW)  # two sliding groups
-_ids = itertools.count()
 
 
 def manager(num_slots: int = 64, hold: dict[RequestId, int] | None = None) -> KVCacheManager:
@@ -33,16 +31,6 @@ def manager(num_slots: int = 64, hold: dict[RequestId, int] | None = None) -> KV
     )
     kv.seen_parts = seen  # type: ignore[attr-defined]  # what on_part was told
     return kv
-
-
-def req(tokens: list[int]) -> Request:
-    return Request(
-        request_id=RequestId(f"r{next(_ids)}"),
-        prompt_token_ids=tokens,
-        params=SamplingParams(max_tokens=64),
-        seed=0,
-        arrival=0.0,
-    )
 
 
 def run(kv: KVCacheManager, r: Request, upto: int, chunk: int = 4) -> None:
