@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.bench_cluster import bench_cluster
 from benchmarks.results import save_json
-from benchmarks.serving_bench import BenchClient
+from benchmarks.serving_bench import MODEL, BenchClient
 from shared.config import CacheConfig, EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
@@ -78,6 +78,7 @@ def main() -> None:
         "--output-tokens", type=int, default=2,
         help="tokens each served request generates (peers.py's workloads: 128)",
     )  # fmt: skip
+    ap.add_argument("--model", default=None, help="a model name Baton pulls, or a path")
     ap.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -94,6 +95,7 @@ def main() -> None:
     torch.set_num_threads(cpus)
     engine = Engine.from_config(
         EngineConfig(
+            model=args.model,
             dtype=args.dtype,
             num_threads=cpus,
             cache=CacheConfig(kv_cache_bytes=1 << 29, enable_prefix_caching=False),
@@ -105,12 +107,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with bench_cluster(
         args.logs, "served-prefill", env, transport=args.transport, dtype=args.dtype,
-        threads=args.threads, max_threads=args.max_threads or cpus,
+        threads=args.threads, max_threads=args.max_threads or cpus, model=args.model,
     ) as local:  # fmt: skip
         prefill = next(
             f"http://127.0.0.1:{s.http_port}" for s in local.specs if s.role == "prefill"
         )
-        client = BenchClient(local.gateway_url)
+        client = BenchClient(local.gateway_url, args.model or MODEL)
         try:
             warm = [rng.randrange(100, 49000) for _ in range(256)]
             client.run(warm, 2)

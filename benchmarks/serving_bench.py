@@ -81,8 +81,8 @@ class BenchClient:
     """``baton bench``'s own request path (shared.bench.runner.send), driven one request
     at a time from this synchronous loop."""
 
-    def __init__(self, url: str):
-        self.target = Target(url, MODEL)
+    def __init__(self, url: str, model: str = MODEL):
+        self.target = Target(url, model)
         self.runner = asyncio.Runner()
         self.http = httpx.AsyncClient(timeout=600)
 

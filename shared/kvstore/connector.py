@@ -318,8 +318,13 @@ class KVStoreConnector(KVConnector):
                 continue
             if whole:
                 item = LayerItem(None, idxs, self._whole_blocks(job, slots))
+            elif job.holds_copies and not job.send_staged.is_set():
+                rows = self.copies.staging(len(slots), self.layout.layer_bytes)
+                item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer, out=rows))
             else:
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer))
+            if whole and not item.copy.reads_pool and not job.send_staged.is_set():
+                job.holds_copies = True
             self.tasks.dispatch(job, item)
 
     def _whole_blocks(self, job: PutJob, slots: list[Slot]) -> SlotBytes:
@@ -338,9 +343,9 @@ class KVStoreConnector(KVConnector):
             out = self.copies.from_pool(slots, out=rows)
             return SlotBytes(list(rows), out.ready)
         rows = staging.buffers
-        copies = [
-            self.copies.from_pool([s], out=rows[i : i + 1])
-            for s, i in zip(slots, taken, strict=True)
+        copies = [  # one copy per run of consecutive buffers (a split pool's is a gather)
+            self.copies.from_pool(slots[at : at + n], out=rows[taken[at] : taken[at] + n])
+            for at, n in _runs(taken)
         ]
 
         def give_back() -> None:
@@ -354,8 +359,10 @@ class KVStoreConnector(KVConnector):
         block whose last token is computed now; on the prompt's last chunk, the partial
         tail too) and the store lacks. A step that sends whole blocks at its end defers
         an earlier chunk's blocks to the prompt's last chunk: written while the next
-        chunk computes, they would take the CPU it computes on (not with a pool split by
-        layer groups: the chunk's window parts would have to stay until then)."""
+        chunk computes, they would take the CPU it computes on. A pool split by layer
+        groups copies them out whole at the chunk's end instead (deferred, the chunk's
+        window parts would have to stay until the last chunk); held for the first token
+        like the last chunk's, their send takes no CPU from the next chunks either."""
         bs = self.layout.block_size
         out = []
         for s in step.scheduled:
@@ -365,14 +372,9 @@ class KVStoreConnector(KVConnector):
                 continue
             end = s.request.num_computed_tokens + s.num_new_tokens
             last_chunk = end >= s.request.num_prompt_tokens
-            # a pool split by layer groups sends an earlier chunk's blocks layer by
-            # layer instead: deferred, it would keep every window part of the prompt
-            # until the last chunk (see window_hold); sent whole, staged copies would
-            # wait for the first token ahead of the next chunk's in-place layers
-            split = self.pool_windowed and not last_chunk
-            if self._step_whole and not last_chunk and not split:
+            if self._step_whole and not last_chunk and not self.pool_windowed:
                 continue
-            whole = job.whole_blocks or (self._step_whole and not split)
+            whole = job.whole_blocks or self._step_whole
             final = cdiv(end, bs) if last_chunk else end // bs
             final = min(final, len(job.ids))
             job.step_start = job.next_block
@@ -458,3 +460,14 @@ class KVStoreConnector(KVConnector):
 
     def poll(self) -> ConnectorEvents:
         return self.tasks.events.take()
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """(position, length) of each run of consecutive values in ``indices``."""
+    runs: list[tuple[int, int]] = []
+    for at, index in enumerate(indices):
+        if runs and indices[at - 1] + 1 == index:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((at, 1))
+    return runs

@@ -88,6 +88,9 @@ class PutJob:
     # at once, they took the CPU and the GIL that the step's last work and that token's
     # way out need (a 512-token step ran ~13 ms longer on 2 cores)
     send_staged: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
+    # a copy waiting for send_staged is queued (engine thread): a later item of the
+    # pool's own bytes would queue behind it while the step waits for it to leave
+    holds_copies: bool = False
 
     @property
     def complete(self) -> bool:
