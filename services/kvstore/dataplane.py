@@ -361,10 +361,14 @@ class DataPlane:
         layer_counts = {e.num_layers for e in entries}
         if len(layer_counts) != 1:
             raise KVBadRequestError("a layer stream needs blocks with the same layer count")
-        start, stop = _span(req.layers) or (0, layer_counts.pop())
+        count = layer_counts.pop()
+        start, stop = _span(req.layers) or (0, count)
+        layers = range(start, stop) if req.layer_ids is None else req.layer_ids
+        if req.layer_ids is not None and req.layer_ids[-1] >= count:
+            raise KVBadRequestError(f"layer_ids: the blocks have {count} layers")
         chunks = 0  # a local reader acks the final frame once it had offsets
         try:
-            for layer in range(start, stop):
+            for layer in layers:
                 await self.store.wait_for(entries, layer, deadline)
                 span = (layer, layer + 1)
                 views = self.store.views(entries, span)

@@ -370,19 +370,28 @@ class KVStoreClient:
         num_layers: int,
         wait_s: float,
         layer_into: LayerInto | None = None,
+        only: Sequence[Sequence[int] | None] | None = None,
     ) -> AsyncIterator[int]:
-        """Yields each layer index, in order, once that layer of every block is in ``into``.
+        """Yields each layer index, in order, once that layer of every block that
+        reads it is in ``into``.
 
         ``into`` holds one whole-block buffer per id; or ``layer_into(i, layer)``
         gives where layer ``layer`` of the ``i``-th block goes (a pool whose blocks
-        are not contiguous: ``into`` is then unused). Each block is read from
-        its first-ranked holder; if that holder is lost mid-stream (or lost
-        the block), its blocks are read again from their next replica. Ends
-        only once every block is confirmed committed.
+        are not contiguous: ``into`` is then unused). ``only[i]``, where given and
+        not None, names the only layers (ascending) to read of the ``i``-th block.
+        Each block is read from its first-ranked holder; if that holder is lost
+        mid-stream (or lost the block), its blocks are read again from their next
+        replica. Ends only once every block is confirmed committed.
         """
         ranked = await self._ranked(ids)
         views = [] if layer_into is not None else [as_bytes_view(b) for b in into]
-        have: list[set[int]] = [set() for _ in ids]
+        wanted: list[tuple[int, ...] | None] = (
+            [None] * len(ids) if only is None else [None if w is None else tuple(w) for w in only]
+        )
+        # a layer a block does not read counts as there
+        have: list[set[int]] = [
+            set() if w is None else set(range(num_layers)) - set(w) for w in wanted
+        ]
         done: set[int] = set()
         rank_of = [0] * len(ids)
         events: asyncio.Queue[tuple[list[int], int | None, BaseException | None]] = asyncio.Queue()
@@ -400,11 +409,13 @@ class KVStoreClient:
             return slices
 
         async def pump(node: NodeClient, positions: list[int]) -> None:
+            layer_ids = wanted[positions[0]]
             try:
                 async for layer in node.stream(
                     [ids[p] for p in positions],
                     layer_views(positions),
-                    layers=(0, num_layers),
+                    layers=(0, num_layers) if layer_ids is None else None,
+                    layer_ids=layer_ids,
                     wait_s=wait_s,
                 ):
                     events.put_nowait((positions, layer, None))
@@ -415,9 +426,9 @@ class KVStoreClient:
         tasks: list[asyncio.Task[None]] = []
 
         def launch(positions: Sequence[int]) -> None:
-            groups: dict[str, list[int]] = defaultdict(list)
+            groups: dict[tuple[str, tuple[int, ...] | None], list[int]] = defaultdict(list)
             for p in positions:
-                groups[ranked[ids[p]][rank_of[p]].instance_id].append(p)
+                groups[ranked[ids[p]][rank_of[p]].instance_id, wanted[p]].append(p)
             for group in groups.values():
                 node = ranked[ids[group[0]]][rank_of[group[0]]]
                 tasks.append(asyncio.create_task(pump(node, group)))

@@ -367,10 +367,12 @@ class NodeClient:
         ids: Sequence[str],
         layer_views: Callable[[int], Sequence[Buffer]],
         *,
-        layers: Layers,
+        layers: Layers | None = None,
+        layer_ids: Sequence[int] | None = None,
         wait_s: float,
     ) -> AsyncIterator[int]:
-        """Yields each layer index once its slices landed in ``layer_views(layer)``.
+        """Yields each layer index once its slices landed in ``layer_views(layer)``:
+        every layer, or the range ``layers``, or only the (ascending) ``layer_ids``.
 
         Ends normally only when the store confirmed every block committed; an
         error after some layers means those bytes must not be used.
@@ -380,6 +382,7 @@ class NodeClient:
             req = Get(
                 ids=list(ids),
                 layers=_range(layers),
+                layer_ids=None if layer_ids is None else list(layer_ids),
                 stream=True,
                 wait_s=wait_s,
                 local=arena is not None,

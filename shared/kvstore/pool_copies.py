@@ -37,6 +37,7 @@ import torch
 
 from shared.engine.kv_cache_manager import Slot
 from shared.kv.kv_cache import KVCache
+from shared.kv.layout import KVLayout
 
 
 @dataclass(eq=False)
@@ -82,6 +83,16 @@ class Landing:
     # where each block's layer lands instead, in place (a pool split by layer groups;
     # ``rows`` is then empty)
     layer_into: Callable[[int, int], torch.Tensor] | None = None
+    # per block, the only layers a row reads (ascending; None: every layer)
+    only: list[tuple[int, ...] | None] | None = None
+
+    def nbytes(self, layout: KVLayout) -> int:
+        """The bytes the load moves."""
+        if self.only is None:
+            return len(self.slots) * layout.block_bytes
+        return sum(
+            layout.block_bytes if w is None else len(w) * layout.layer_bytes for w in self.only
+        )
 
 
 class PoolCopies(ABC):
@@ -200,17 +211,20 @@ class Gathered(PoolCopies):
         return self.from_pool(slots)
 
     def landing(self, slots: Sequence[Slot]) -> Landing:
-        """Each layer lands in its own slot; a sliding layer of a block without a part
-        (no row reads it) lands in a scratch row, overwritten by the next."""
+        """Each layer lands in its own slot; of a block without a window part (no row
+        reads its sliding layers), only the full-attention layers are read."""
         pool, order = self.pool, list(slots)
         parts = [pool.part_of(s) for s in order]  # held by the loading request
-        scratch = torch.empty(self.layout.layer_bytes, dtype=torch.uint8)
+        full = pool.groups.groups[0]
 
         def layer_into(i: int, layer: int) -> torch.Tensor:
             view = pool.layer_slot(order[i], layer, parts[i])
-            return scratch if view is None else view.reshape(-1).view(torch.uint8)
+            if view is None:
+                raise RuntimeError(f"layer {layer} of the block in slot {order[i]} is not held")
+            return view.reshape(-1).view(torch.uint8)
 
-        return Landing(order, [], None, layer_into)
+        only = [None if part is not None else full for part in parts]
+        return Landing(order, [], None, layer_into, only)
 
 
 class Staged(PoolCopies):

@@ -16,6 +16,8 @@ Payload rules (one segment per block id, in the order of ``ids``):
   with ``stream: true``, one ``chunk`` frame per layer as the layer becomes
   available, then a final ``done`` frame once every block is committed. A
   streamed reader may use layers early, but only trusts them after ``done``.
+  A stream's ``layer_ids`` (ascending) name the layers it sends, instead of
+  ``layers`` or all of them.
 
 Same-host clients (``local: true``; the node's hello reply named its shared
 arena, see :mod:`shared.kvstore.local_arena`) send and receive no payload:
@@ -41,6 +43,7 @@ arena, see :mod:`shared.kvstore.local_arena`) send and receive no payload:
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
@@ -149,9 +152,24 @@ class Get(_Wire):
     op: Literal["get"] = "get"
     ids: Ids
     layers: LayerRange | None = None
+    # a stream of only these layers (ascending), instead of a range: a reader that
+    # needs some layers of a block and not others (a sliding window's, see
+    # shared.kv.layer_groups) moves no bytes it would drop
+    layer_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=4096)] | None = None
     stream: bool = False
     wait_s: Annotated[float, Field(ge=0, le=300)] = 0.0
     local: bool = False
+
+    @model_validator(mode="after")
+    def _layer_ids(self) -> Get:
+        ids = self.layer_ids
+        if ids is None:
+            return self
+        if not self.stream or self.layers is not None:
+            raise ValueError("layer_ids: only for a stream, and not with layers")
+        if not ids or any(b <= a for a, b in pairwise(ids)):
+            raise ValueError("layer_ids: ascending and distinct, at least one")
+        return self
 
 
 class Ack(_Wire):

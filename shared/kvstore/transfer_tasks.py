@@ -116,6 +116,7 @@ class TransferTasks:
         layout = pool.layout
         started = time.perf_counter()
         error: BaseException | None = None
+        nbytes = len(load.slots) * layout.block_bytes
         try:
             if load.asynchronous and copies.staged:
                 # a CUDA pool waits for the whole load anyway: the committed blocks go
@@ -125,7 +126,7 @@ class TransferTasks:
                 with self.cond:
                     load.layers = layout.num_layers
             else:
-                await self._stream_layers(load, copies)
+                nbytes = await self._stream_layers(load, copies)
         except TRANSFER_ERRORS as exc:
             error = exc
         except Exception as exc:  # a bug must not leave the engine waiting forever
@@ -133,7 +134,7 @@ class TransferTasks:
             error = exc
         finally:
             await release(load.lease)
-        self._observe_load(load, len(load.slots) * layout.block_bytes, started, error)
+        self._observe_load(load, nbytes, started, error)
         with self.cond:
             load.error, load.done = error, True
             abandoned = load.abandoned
@@ -146,10 +147,11 @@ class TransferTasks:
             self.events.failed(load.request_id)
         self._wake()
 
-    async def _stream_layers(self, load: Load, copies: PoolCopies) -> None:
+    async def _stream_layers(self, load: Load, copies: PoolCopies) -> int:
         """Layers as the store streams them (the decode side pulls while prefill still
         writes): in-step loads land layer by layer, the engine ordering its compute
-        after each; an asynchronous one lands whole once every layer arrived."""
+        after each; an asynchronous one lands whole once every layer arrived. Returns
+        the bytes it moves."""
         landing = copies.landing(load.slots)
         async for layer in self.kv.stream(
             load.ids,
@@ -157,6 +159,7 @@ class TransferTasks:
             num_layers=self._pool().layout.num_layers,
             wait_s=load.wait_s,
             layer_into=landing.layer_into,
+            only=landing.only,
         ):
             ready = Ready() if load.asynchronous else copies.layer_to_pool(landing, layer)
             with self.cond:
@@ -165,6 +168,7 @@ class TransferTasks:
                 self.cond.notify_all()
         if load.asynchronous:
             await copies.blocks_to_pool(landing).wait()
+        return landing.nbytes(self._pool().layout)
 
     def _observe_load(
         self, load: Load, nbytes: int, started: float, error: BaseException | None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -119,6 +120,31 @@ def test_prompts_past_the_window_and_their_next_turns_are_token_exact(
         assert second["choices"][0]["token_ids"] == want, len(follow)  # type: ignore[index]
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
         assert cached >= len(prompt) // 16 * 16, (len(prompt), cached)
+
+
+def loaded_bytes(local: LocalCluster) -> float:
+    """KV bytes every decode instance pulled from the store so far."""
+    total = 0.0
+    for spec in local.specs:
+        if spec.role == "decode":
+            text = httpx.get(f"http://127.0.0.1:{spec.http_port}/metrics", timeout=10).text
+            m = re.search(r"^baton_kv_loaded_bytes_total (\S+)$", text, re.M)
+            total += float(m.group(1)) if m else 0.0
+    return total
+
+
+def test_decode_loads_every_layer_of_the_window_only(cluster: Supervised) -> None:
+    """A fresh 1,300-token prompt: decode pulls all 18 layers of the blocks its window
+    reads (32 blocks, one row back, the partial tail) and only the 3 full-attention
+    layers of the other 48 or so."""
+    settle(cluster.local)
+    prompt = [random.Random(5).randrange(1000, 200_000) for _ in range(1300)]
+    before = loaded_bytes(cluster.local)
+    asyncio.run(complete(cluster.local.gateway_url, prompt, None, 4))
+    moved = loaded_bytes(cluster.local) - before
+    layer, blocks, window = BLOCK_BYTES // 18, 1300 // 16 + 1, 512 // 16 + 3
+    assert blocks * 3 * layer < moved <= (window * 18 + (blocks - window) * 3) * layer
+    assert moved < 0.55 * blocks * BLOCK_BYTES
 
 
 def test_a_decode_instance_killed_mid_stream_past_the_window(

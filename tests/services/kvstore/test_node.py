@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from tests.services.kvstore.conftest import (
     ClientFactory,
     OneStore,
     StoreFactory,
+    StoreNode,
     prefix,
 )
 
@@ -55,6 +57,11 @@ def start_stream(
             seen.append(layer)
 
     return asyncio.create_task(read()), seen
+
+
+def bytes_out(store: StoreNode) -> float:
+    text = httpx.get(f"{store.http}/metrics").text
+    return float(re.search(r"^baton_kvstore_bytes_out_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
 
 
 def misbehave(mode: str, port: int, transport: str) -> subprocess.CompletedProcess[str]:
@@ -119,6 +126,55 @@ async def test_layerwise_write_streams_to_a_waiting_reader(
     await asyncio.wait_for(task, 20)
     assert seen == list(range(layers))
     assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+
+
+@pytest.mark.parametrize(("transport", "shm"), [("tcp", True), ("tcp", False), ("ucx", False)])
+async def test_a_stream_reads_only_the_layers_each_block_names(
+    transport: str, shm: bool, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """``only``: per block, the only layers to read (a sliding window's reader needs some
+    layers of a block and not others). Those land, nothing else is written, the store
+    sends no more, and each layer is yielded once every block that reads it has it,
+    while the writer still writes layer by layer."""
+    p = prefix()
+    store = start_store(transport, p)
+    writer, reader = make_client(transport, p), make_client(transport, p, shm=shm)
+    layers, size = 6, 6 * 4096
+    lb = size // layers
+    data, keys = blocks(4, size), ids(4)
+    only = [None, (1, 4), None, (0,)]
+    handle = await writer.begin_put(keys, [size] * 4, num_layers=layers)
+    out = [np.full(size, 7, np.uint8) for _ in keys]
+    seen: list[int] = []
+
+    async def read() -> None:
+        async for layer in reader.stream(
+            keys, [], num_layers=layers, wait_s=20,
+            layer_into=lambda i, layer: out[i][layer * lb : (layer + 1) * lb], only=only,
+        ):  # fmt: skip
+            seen.append(layer)
+
+    before = bytes_out(store)
+    task = asyncio.create_task(read())
+    for layer in range(layers):
+        await handle.write(
+            keys, [d[layer * lb : (layer + 1) * lb] for d in data], (layer, layer + 1)
+        )
+    await handle.commit()
+    await asyncio.wait_for(task, 20)
+    assert seen == list(range(layers))
+    for block, got, wanted in zip(data, out, only, strict=True):
+        for layer in range(layers):
+            piece = got[layer * lb : (layer + 1) * lb]
+            if wanted is None or layer in wanted:
+                assert np.array_equal(piece, block[layer * lb : (layer + 1) * lb])
+            else:
+                assert (piece == 7).all(), layer
+    assert bytes_out(store) - before == lb * (2 * layers + 2 + 1)
+    node = await only_node(reader)
+    with pytest.raises(KVBadRequestError, match="layer"):
+        async for _ in node.stream(keys, lambda layer: [], layer_ids=[2, 9], wait_s=1):
+            pass
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

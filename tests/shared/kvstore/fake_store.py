@@ -96,6 +96,7 @@ class FakeKVStoreClient:
         self.held = 0
         self.gate = asyncio.Event()
         self.streamed: list[list[str]] = []  # the ids of every stream, in order
+        self.streamed_bytes = 0  # the layer slices streams delivered
 
     # -- test controls -----------------------------------------------------------------
     def evict_keep_index(self, ids: Sequence[str]) -> None:
@@ -154,6 +155,7 @@ class FakeKVStoreClient:
         num_layers: int,
         wait_s: float,
         layer_into: Callable[[int, int], Buffer] | None = None,
+        only: Sequence[Sequence[int] | None] | None = None,
     ) -> AsyncIterator[int]:
         self.streams += 1
         self.streamed.append(list(ids))
@@ -166,15 +168,22 @@ class FakeKVStoreClient:
             for layer in range(num_layers):
                 if self.break_streams_after is not None and layer >= self.break_streams_after:
                     raise KVUnavailableError("the fake store lost its node mid-stream")
+                reads = [only is None or w is None or layer in w for w in only or [None] * len(ids)]
                 while True:
                     blocks = [self.node.blocks.get(i) for i in ids]
                     if any(b is None or b.dead for b in blocks):
                         raise KVMissError("blocks are not held", list(ids))
-                    if all(b is not None and layer in b.layers for b in blocks):
+                    if all(
+                        b is not None and (layer in b.layers or not r)
+                        for b, r in zip(blocks, reads, strict=True)
+                    ):
                         break
                     await self.node.changed.wait()
                 for i, block in enumerate(blocks):
                     assert block is not None
+                    if not reads[i]:
+                        continue
+                    self.streamed_bytes += lb
                     data = block.data[layer * lb : (layer + 1) * lb]
                     if layer_into is not None:
                         np.frombuffer(as_bytes_view(layer_into(i, layer)), dtype=np.uint8)[:] = data

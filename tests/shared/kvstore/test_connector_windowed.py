@@ -18,6 +18,7 @@ import torch
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.engine_loop import next_output
+from shared.engine.kv_cache_manager import cdiv
 from shared.engine.kv_connector import KVConnector
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel, load_model
@@ -115,6 +116,10 @@ async def test_chunks_sent_whole_then_layer_by_layer_reach_the_store_whole(
         assert_store_holds(store, ids, full_cache_blocks(make_gemma, prompt))
         tokens = await d.decode(prompt, GREEDY, "d1", ids, first)
         assert tokens == expected
+    # the decode loaded every layer of the window's blocks only (one row back, and the
+    # partly filled blocks at either end); of the others, the 3 full-attention layers
+    lb, n, window = layout.layer_bytes, len(ids), cdiv(512, 16) + 2
+    assert n * 3 * lb < store.streamed_bytes <= (window * 18 + (n - window) * 3) * lb
 
 
 async def test_a_local_hit_the_store_lacks_is_cut_where_window_parts_are_gone(

@@ -120,7 +120,7 @@ def test_staged_blocks_are_device_rows_ready_after_the_queued_compute() -> None:
 def test_a_split_pool_is_gathered_and_one_layer_stays_in_place() -> None:
     """A pool split by layer groups (layers 0 and 2 sliding): whole blocks leave as
     layout-format copies, a layer of a block is its slot's own bytes, and a load lands
-    each layer in its slot (a block without a part keeps only its global layers)."""
+    each layer in its slot (of a block without a part it reads only the global layers)."""
     from shared.kv.layer_groups import LayerGroups
     from shared.kvstore.pool_copies import Gathered
 
@@ -146,10 +146,14 @@ def test_a_split_pool_is_gathered_and_one_layer_stays_in_place() -> None:
     pool.pool.zero_()
     landing = copies.landing(slots(3, 4))
     assert landing.rows == [] and landing.layer_into is not None
+    assert landing.only == [None, (1, 3)]
     lb = LAYOUT.layer_bytes
+    assert landing.nbytes(LAYOUT) == LAYOUT.block_bytes + 2 * lb
     for i, src in enumerate(source):
-        for layer in range(LAYOUT.num_layers):
+        for layer in landing.only[i] or range(LAYOUT.num_layers):
             landing.layer_into(i, layer).copy_(src[layer * lb : (layer + 1) * lb])
+    with pytest.raises(RuntimeError):
+        landing.layer_into(1, 0)  # not read: no row reads it
     again = copies.blocks(slots(3, 4))
     assert torch.equal(again.buffers[0], source[0])  # every layer in its slot
     assert torch.equal(again.buffers[1].view(4, -1)[[1, 3]], source[1].view(4, -1)[[1, 3]])
