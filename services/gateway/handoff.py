@@ -205,6 +205,7 @@ class Handoff:
             namespace=self.router.kv_namespace,
             block_size=self.router.block_size,
             live=self.router.live_roles(),
+            windows=self.router.kv_windows(),
         )
 
     def _release(self, started: Started, request_id: str) -> None:

@@ -6,7 +6,11 @@ register) and asks the index who holds each block. Two answers come back:
 how many leading tokens each prefill/decode instance holds in its own pool,
 and how many the KV store holds (blocks of one prefix sit on different store
 nodes, and any instance can pull them). Only live holders count, and only the
-blocks a prefill may reuse: the last prompt token is always computed.
+blocks a prefill may reuse: the last prompt token is always computed. An
+instance whose pool keeps its sliding layers' KV only for the blocks a window
+reads counts a prefix only as far as the window of its next row has every
+block's window entry too (see :func:`shared.cluster.block_index.window_entry`);
+the store keeps every layer of its blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from shared.cluster.block_index import BlockIndex
+from shared.cluster.block_index import BlockIndex, window_entry
 from shared.cluster.in_flight import InFlightIndex, in_flight_prefixes
 from shared.kv.block_hash import BlockHasher
 
@@ -74,22 +78,30 @@ class PrefixLocator:
         namespace: str | None,
         block_size: int | None,
         live: Mapping[str, str],
+        windows: Mapping[str, int] | None = None,
     ) -> PrefixHits:
-        """``live``: instance id -> role of every live instance."""
+        """``live``: instance id -> role of every live instance; ``windows``: instance id
+        -> sliding window (tokens) of those that keep only the window's KV."""
         if not self.enabled or namespace is None or not block_size:
             return NO_HITS
         usable = (len(prompt) - 1) // block_size  # the last prompt token is always computed
         ids = tuple(k.hex() for k in self.hasher(namespace, block_size).keys(prompt, cache_salt))
         if usable <= 0:
             return PrefixHits(keys=ids)
+        windows = {k: v for k, v in (windows or {}).items() if k in live}
+        asked = list(ids[:usable])
+        if windows:
+            asked += [window_entry(i) for i in ids[:usable]]
         try:
             rows, computing = await asyncio.gather(
-                self.index.holders(ids[:usable]), self._computing(ids[:usable])
+                self.index.holders(asked), self._computing(ids[:usable])
             )
         except (RedisError, OSError) as exc:  # degraded: route without cache locality
             log.warning("prompt index unreachable; routing without it: %s", exc)
             return PrefixHits(keys=ids)
-        found = hits_from_holders(rows, live, block_size)
+        found = hits_from_holders(
+            rows[:usable], live, block_size, windows, rows[usable:] if windows else None
+        )
         workers = {iid for iid, role in live.items() if role != STORE_ROLE}
         blocks = in_flight_prefixes(computing, workers)
         return PrefixHits(
@@ -101,10 +113,15 @@ class PrefixLocator:
 
 
 def hits_from_holders(
-    rows: Sequence[set[str]], live: Mapping[str, str], block_size: int
+    rows: Sequence[set[str]],
+    live: Mapping[str, str],
+    block_size: int,
+    windows: Mapping[str, int] | None = None,
+    window_rows: Sequence[set[str]] | None = None,
 ) -> PrefixHits:
-    """Per live worker its longest held prefix; for the store, the longest prefix every
-    block of which some live store node holds."""
+    """Per live worker its longest held prefix (cut, for a worker in ``windows``, where
+    ``window_rows`` lack it: see :func:`window_cut`); for the store, the longest prefix
+    every block of which some live store node holds."""
     local: dict[str, int] = {}
     store = 0
     store_run = True
@@ -121,4 +138,23 @@ def hits_from_holders(
             local[holder] = pos + 1
         if not running and not store_run:
             break
-    return PrefixHits({k: v * block_size for k, v in local.items()}, store * block_size)
+    for holder, window in (windows or {}).items():
+        if holder in local and window_rows is not None:
+            local[holder] = window_cut(local[holder], window, block_size, holder, window_rows)
+    return PrefixHits({k: v * block_size for k, v in local.items() if v}, store * block_size)
+
+
+def window_cut(
+    blocks: int, window: int, block_size: int, holder: str, rows: Sequence[set[str]]
+) -> int:
+    """The longest of the first ``blocks`` blocks that ``holder`` can reuse when its
+    sliding layers keep only their ``window`` tokens: every block the next row's window
+    reads (one row back) has its window entry, as the KV cache manager's own local hit
+    cuts it (:meth:`KVCacheManager.window_first`)."""
+    while blocks:
+        first = max(0, blocks * block_size - window) // block_size
+        missing = [i for i in range(first, blocks) if holder not in rows[i]]
+        if not missing:
+            return blocks
+        blocks = missing[-1]
+    return 0

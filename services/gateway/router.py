@@ -232,6 +232,16 @@ class Router:
         """Instance id -> role of every live instance (stores included)."""
         return {m.instance_id: role for role in ROLES for m in self.members[role]}
 
+    def kv_windows(self) -> dict[str, int]:
+        """Instance id -> the tokens its sliding layers read back, of every live worker
+        whose pool keeps only their window's KV."""
+        return {
+            m.instance_id: m.kv_window
+            for role in ROUTED
+            for m in self.members[role]
+            if m.kv_window is not None
+        }
+
     def bench(self, member: Member) -> None:
         """Stop routing to ``member``'s process for a while (it refused a connection);
         a new process under its id (restarted, ready and registered) is not benched."""

@@ -147,7 +147,8 @@ def measure(
                     decode.append(measure_decode(engine, t, b, ctx, steps, rng))
     finally:
         engine.set_num_threads(saved)
-    layout = engine.layout
+    layout, groups = engine.layout, engine.kv_cache.groups
+    sliding = layout.num_layers - groups.width if groups.windowed else 0
     progress(f"transfer over {transport}: {transfer_mb} MB")
     speed = asyncio.run(measure_transfer(transport, layout.block_bytes, transfer_mb))
     return Profile(
@@ -161,6 +162,8 @@ def measure(
         decode=tuple(decode),
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         notes={"transport": transport},
+        kv_window=(groups.window or 0) if groups.windowed else 0,
+        kv_window_bytes_per_token=layout.bytes_per_token * sliding // layout.num_layers,
     )
 
 

@@ -104,6 +104,10 @@ class Profile:
     measured_at: str = ""
     notes: dict[str, str] = field(default_factory=dict)
     overhead: ServiceOverhead = ServiceOverhead()  # zero: engine times only
+    # where the pool keeps its sliding layers' KV only for their window: the window
+    # (tokens), and those layers' share of kv_bytes_per_token (0: no such layers)
+    kv_window: int = 0
+    kv_window_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -112,6 +116,16 @@ class Profile:
             raise ProfileError("transfer speed, KV bytes per token and block size must be > 0")
 
     # -- the simulator's questions ----------------------------------------------------
+    def load_bytes(self, tokens: int) -> int:
+        """KV bytes a load of a ``tokens``-token prefix moves: every layer of the tokens
+        the next row's window reads (and a block more), only the full-attention layers
+        of the others (see ``shared.kvstore.pool_copies.Gathered.landing``)."""
+        if not self.kv_window:
+            return tokens * self.kv_bytes_per_token
+        windowed = min(tokens, self.kv_window + self.block_size)
+        full = self.kv_bytes_per_token - self.kv_window_bytes_per_token
+        return tokens * full + windowed * self.kv_window_bytes_per_token
+
     def prefill_seconds(self, tokens: int, threads: int) -> float:
         if tokens <= 0:
             return 0.0
@@ -180,6 +194,8 @@ def load(path: Path) -> Profile:
             measured_at=str(body.get("measured_at", "")),
             notes=dict(body.get("notes", {})),
             overhead=ServiceOverhead.from_dict(body.get("overhead", {})),
+            kv_window=int(body.get("kv_window", 0)),
+            kv_window_bytes_per_token=int(body.get("kv_window_bytes_per_token", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{path}: malformed profile: {exc!r}") from exc

@@ -233,7 +233,6 @@ def simulate(
         sides.append(_Side("client", cpu, profile.overhead.client))
     stored: set[int] = set()
     outcomes: dict[int, RequestOutcome] = {}
-    per_token = profile.kv_bytes_per_token
 
     def arrive(i: int, spec: SimRequest) -> None:
         cached = 0
@@ -242,7 +241,7 @@ def simulate(
                 break
             cached += spec.block_tokens
         cached = min(cached, spec.input_len - 1)
-        req = _Req(spec, i, spec.input_len - cached, cached * per_token)
+        req = _Req(spec, i, spec.input_len - cached, profile.load_bytes(cached))
         inst = min(prefills, key=lambda p: p.queued_tokens)
         inst.queue.append(req)
         inst.queued_tokens += req.to_compute
@@ -300,7 +299,7 @@ def simulate(
         dec = min(decodes, key=lambda d: d.assigned)
         dec.assigned += 1
         req.decode = dec
-        load_s = req.spec.input_len * per_token / profile.transfer_bytes_s
+        load_s = profile.load_bytes(req.spec.input_len) / profile.transfer_bytes_s
 
         def join() -> None:
             dec.queue.append(req)

@@ -30,7 +30,18 @@ from shared.cluster.keys import Keys
 
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.02
+WINDOW_ENTRY = "w"  # see window_entry
 BATCH = 2048
+
+
+def window_entry(block_id: str) -> str:
+    """The index entry saying a holder of ``block_id`` also keeps its sliding-window
+    layers (a pool split by layer groups keeps them only while some window reads the
+    block, or until their memory is reused): a prefix is reusable there as far as the
+    blocks its next row's window reads have this entry too."""
+    return WINDOW_ENTRY + block_id
+
+
 # KEYS: the instance's holds set, the holders set. ARGV: block key prefix, instance id,
 # ttl ms, keys...
 _ADD = """

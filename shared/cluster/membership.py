@@ -50,6 +50,9 @@ class Member(BaseModel):
     dtype: str | None = None  # compute dtype (prefill/decode)
     kv_namespace: str | None = None  # model identity + KV layout: workers pair only when equal
     block_size: int | None = None  # tokens per KV block (the gateway computes block keys)
+    # tokens the sliding layers read back, where the pool keeps only their window's KV
+    # (its prompt index entries say which blocks still have it: see window_entry)
+    kv_window: int | None = None
     load: dict[str, float] = {}
     started_at: float = 0.0
     heartbeat_at: float = 0.0  # wall clock of the record's last refresh

@@ -22,8 +22,9 @@ from shared.config import EngineConfig, default_cache_dir
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarCompiler
 from shared.engine.host_swap import build_swap
-from shared.engine.kv_cache_manager import KVCacheManager, KVEvents
+from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnector
+from shared.engine.kv_events import KVEvents
 from shared.engine.model_runner import ModelRunner
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import Completion, RequestOutput

@@ -30,7 +30,7 @@ import torch
 
 from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine
-from shared.engine.kv_cache_manager import KVEvents
+from shared.engine.kv_events import KVEvents
 from shared.engine.outputs import RequestOutput
 from shared.engine.snapshot import EngineSnapshot
 from shared.engine.step_pacer import StepPacer

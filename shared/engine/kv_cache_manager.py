@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import NewType
 
+from shared.engine.kv_events import Changes, KVEvents
 from shared.engine.request import Request
 from shared.kv.block_hash import BlockHasher, BlockKey
 from shared.kv.layer_groups import LayerGroups
@@ -43,17 +43,6 @@ PartChange = Callable[[Slot, "WindowPart | None"], None]
 
 class OutOfSlotsError(RuntimeError):
     """Fewer slots are free than an allocation asked for."""
-
-
-@dataclass(frozen=True)
-class KVEvents:
-    """Keys that became findable here (``stored``) or stopped being (``removed``)."""
-
-    stored: tuple[BlockKey, ...] = ()
-    removed: tuple[BlockKey, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.stored or self.removed)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -93,8 +82,8 @@ class KVCacheManager:
         self._slot_of: dict[BlockKey, Slot] = {}
         self._part: dict[Slot, WindowPart] = {}  # a block's slot -> its window part
         self._owner: dict[Slot, Slot] = {}  # a window part's slot -> its block's slot
-        self._stored: list[BlockKey] = []
-        self._removed: list[BlockKey] = []
+        self._keys = Changes()  # findable keys
+        self._window_keys = Changes()  # of those, the ones whose part is attached
 
     # -- reading -----------------------------------------------------------------------
     @property
@@ -117,6 +106,10 @@ class KVCacheManager:
 
     def held_keys(self) -> list[BlockKey]:
         return list(self._slot_of)
+
+    def window_keys(self) -> list[BlockKey]:
+        """The held keys whose blocks have their window part attached."""
+        return [k for k, s in self._slot_of.items() if s in self._part]
 
     def window_part(self, slot: int) -> WindowPart | None:
         """The window part attached to the block in ``slot`` (None: none, or no
@@ -282,9 +275,9 @@ class KVCacheManager:
         req.window_from = 0
 
     def take_events(self) -> KVEvents:
-        events = KVEvents(tuple(self._stored), tuple(self._removed))
-        self._stored.clear()
-        self._removed.clear()
+        stored, removed = self._keys.take()
+        window_stored, window_removed = self._window_keys.take()
+        events = KVEvents(stored, removed, window_stored, window_removed)
         return events
 
     # -- window parts ---------------------------------------------------------------------
@@ -320,6 +313,8 @@ class KVCacheManager:
         self._part[slot] = part
         for s in part:
             self._owner[s] = slot
+        if (key := self._key_of[slot]) is not None:
+            self._window_keys.add(key)
         if self.on_part is not None:
             self.on_part(slot, part)
 
@@ -329,6 +324,8 @@ class KVCacheManager:
         part = self._part.pop(slot, None)
         if part is None:
             return
+        if (key := self._key_of[slot]) is not None:
+            self._window_keys.remove(key)
         for s in part:
             del self._owner[s]
             if s in self._free:
@@ -343,16 +340,16 @@ class KVCacheManager:
         out: list[Slot] = []
         for _ in range(n):
             slot, _unused = self._free.popitem(last=False)
-            key = self._key_of[slot]
-            if key is not None:  # evict its cached content
-                del self._slot_of[key]
-                self._key_of[slot] = None
-                self._removed.append(key)
             if self.part_size:
                 self._detach_part(slot)  # it held a block: its part goes too
                 owner = self._owner.get(slot)
                 if owner is not None:  # it held a part: that block loses it
                     self._detach_part(owner)
+            key = self._key_of[slot]
+            if key is not None:  # evict its cached content
+                del self._slot_of[key]
+                self._key_of[slot] = None
+                self._keys.remove(key)
             self._refs[slot] = 1
             out.append(slot)
         return out
@@ -382,4 +379,6 @@ class KVCacheManager:
             return  # already cached (possibly as another physical copy): keep the first
         self._key_of[slot] = key
         self._slot_of[key] = slot
-        self._stored.append(key)
+        self._keys.add(key)
+        if slot in self._part:
+            self._window_keys.add(key)

@@ -23,7 +23,7 @@ from pydantic_settings import BaseSettings
 
 from shared.cluster import redis_client
 from shared.cluster.auth import ClusterSecret
-from shared.cluster.block_index import BlockIndex, IndexPublisher
+from shared.cluster.block_index import BlockIndex, IndexPublisher, window_entry
 from shared.cluster.keys import Keys
 from shared.cluster.membership import Heartbeat, Member, default_advertise_host
 from shared.config import BatonSettings, EngineConfig
@@ -35,7 +35,7 @@ from shared.engine.engine_loop import (
     keep_openmp_off_this_thread,
     on_passing_thread,
 )
-from shared.engine.kv_cache_manager import KVEvents
+from shared.engine.kv_events import KVEvents
 from shared.engine.step_pacer import StepPacer
 from shared.hardware import auto_dtype
 from shared.kvstore.client import KVStoreClient
@@ -171,6 +171,7 @@ class Worker:
             dtype=config.dtype,
             kv_namespace=engine.hasher.namespace,
             block_size=engine.layout.block_size,
+            kv_window=engine.kv_cache.groups.window if engine.kv_cache.windowed else None,
             capacity_bytes=engine.kv_cache.nbytes,
             started_at=time.time(),
         )
@@ -203,10 +204,12 @@ class Worker:
 
     def _on_kv_events(self, events: KVEvents) -> None:
         """The local pool's holdings, published to the prompt index (cache-aware routing)."""
-        if events.removed:
+        if events.removed or events.window_removed:
             self.publisher.removed(k.hex() for k in events.removed)
-        if events.stored:
+            self.publisher.removed(window_entry(k.hex()) for k in events.window_removed)
+        if events.stored or events.window_stored:
             self.publisher.added(k.hex() for k in events.stored)
+            self.publisher.added(window_entry(k.hex()) for k in events.window_stored)
 
     def refresh_gauges(self) -> None:
         if self._loop is not None:

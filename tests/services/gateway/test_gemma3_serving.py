@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from services.prefill.prefiller import PREFILL_CHUNK_TOKENS
 from shared.bench.chaos import (
@@ -24,9 +25,13 @@ from shared.bench.chaos import (
     settle,
     with_fault,
 )
+from shared.cluster.block_index import BlockIndex, window_entry
+from shared.cluster.keys import Keys
+from shared.cluster.membership import Member, live_members
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_cache_dir
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.block_hash import BlockHasher
 from shared.launcher import LocalCluster
 from shared.model.loader import LoadedModel, load_model
 from shared.model.registry import GEMMA3_270M
@@ -136,7 +141,8 @@ def loaded_bytes(local: LocalCluster) -> float:
 def test_decode_loads_every_layer_of_the_window_only(cluster: Supervised) -> None:
     """A fresh 1,300-token prompt: decode pulls all 18 layers of the blocks its window
     reads (32 blocks, one row back, the partial tail) and only the 3 full-attention
-    layers of the other 48 or so."""
+    layers of the other 48 or so. The prompt index says which blocks the prefill
+    instance holds and which of them with their window layers."""
     settle(cluster.local)
     prompt = [random.Random(5).randrange(1000, 200_000) for _ in range(1300)]
     before = loaded_bytes(cluster.local)
@@ -145,6 +151,29 @@ def test_decode_loads_every_layer_of_the_window_only(cluster: Supervised) -> Non
     layer, blocks, window = BLOCK_BYTES // 18, 1300 // 16 + 1, 512 // 16 + 3
     assert blocks * 3 * layer < moved <= (window * 18 + (blocks - window) * 3) * layer
     assert moved < 0.55 * blocks * BLOCK_BYTES
+    (prefill,), ids, windowed = asyncio.run(index_entries(cluster.local, prompt))
+    assert prefill.kv_window == 512
+    assert all(prefill.instance_id in h for h in ids)
+    # nothing evicted: every block keeps its (released, cached) window layers
+    assert all(prefill.instance_id in h for h in windowed)
+
+
+async def index_entries(
+    local: LocalCluster, prompt: list[int]
+) -> tuple[list[Member], list[set[str]], list[set[str]]]:
+    """The prefill members, and who the index says holds each full block of ``prompt``
+    and its window layers."""
+    redis = aioredis.from_url(local.redis.url)
+    try:
+        members = await live_members(redis, Keys(), "prefill")
+        hasher = BlockHasher(namespace=members[0].kv_namespace or "", block_size=16)
+        ids = [k.hex() for k in hasher.keys(prompt)]
+        index = BlockIndex(redis, Keys(), ttl_s=60)
+        await asyncio.sleep(0.5)  # the publisher flushes in the background
+        windowed = await index.holders([window_entry(i) for i in ids])
+        return members, await index.holders(ids), windowed
+    finally:
+        await redis.aclose()
 
 
 def test_a_decode_instance_killed_mid_stream_past_the_window(

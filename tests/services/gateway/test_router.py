@@ -100,6 +100,26 @@ def test_hits_from_holders_count_live_prefixes_per_worker_and_across_stores() ->
     assert hits.cached("p1") == 48 and hits.cached("x") == 48
 
 
+def test_a_worker_keeping_only_its_window_counts_a_prefix_as_far_as_its_window_is_held() -> None:
+    """Window 32 tokens, 16-token blocks: a prefix of n blocks is reusable where blocks
+    n-2 .. n-1 (its next row's window, one row back) have their window entries. p1 lost
+    the window layers of blocks 0-3 (evicted before the blocks themselves): its 8 held
+    blocks are reusable (their last window is there), a 5-block prefix of them is
+    not; w2 keeps every layer and counts as before."""
+    live = {"p1": "prefill", "w2": "prefill", "s1": "kvstore"}
+    rows = [{"p1", "w2", "s1"} for _ in range(8)]
+    window_rows = [set() for _ in range(4)] + [{"p1"} for _ in range(4)]
+    hits = hits_from_holders(rows, live, 16, {"p1": 32}, window_rows)
+    assert hits.local == {"p1": 128, "w2": 128} and hits.store == 128
+    window_rows[6] = set()  # block 6 loses its window layers too
+    hits = hits_from_holders(rows, live, 16, {"p1": 32}, window_rows)
+    assert hits.local["p1"] == 96  # 8 blocks need 6..7: 6 lacks -> 6 blocks need 4..5
+    cut = hits_from_holders(rows[:5], live, 16, {"p1": 32}, window_rows[:5])
+    assert cut.local == {"w2": 80}  # 5 need 3..4: 3 lacks -> 3 need 1..2 -> ... none
+    wider = hits_from_holders(rows, live, 16, {"p1": 40}, window_rows)
+    assert wider.local == {"w2": 128}  # 40 tokens: 8 need 5..7, 6 need 3..5, ... none
+
+
 def test_equal_costs_take_turns() -> None:
     """Idle instances and no cache: requests alternate instead of all going to one."""
     r = router(prefill=[member("prefill", "a"), member("prefill", "b")])

@@ -67,6 +67,18 @@ def test_saved_profiles_load_back_and_bad_files_are_refused(tmp_path: Path) -> N
         load(tmp_path / "missing.json")
 
 
+def test_loads_move_the_sliding_layers_of_the_window_only(tmp_path: Path) -> None:
+    """1,000 bytes a token, 800 of them sliding layers with a 512-token window: a load
+    of a long prefix moves every layer of the window's tokens (and a block more) and the
+    full-attention layers of the rest; without a window, everything."""
+    p = replace(linear_profile(), kv_window=512, kv_window_bytes_per_token=800)
+    assert p.load_bytes(300) == 300 * 1000
+    assert p.load_bytes(4000) == 4000 * 200 + 528 * 800
+    assert linear_profile().load_bytes(4000) == 4000 * 1000
+    p.save(tmp_path / "p.json")
+    assert load(tmp_path / "p.json").load_bytes(4000) == p.load_bytes(4000)
+
+
 def test_a_profile_needs_both_phases() -> None:
     with pytest.raises(ProfileError):
         Profile("m", "bf16", "c", 16, 100, 1e9, (PrefillPoint(1, 64, 0.1),), ())

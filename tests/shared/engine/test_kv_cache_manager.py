@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from shared.engine.kv_cache_manager import KVCacheManager, KVEvents, OutOfSlotsError
+from shared.engine.kv_cache_manager import KVCacheManager, OutOfSlotsError
+from shared.engine.kv_events import KVEvents
 from shared.engine.request import Request, RequestId
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHasher

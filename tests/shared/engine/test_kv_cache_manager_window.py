@@ -30,6 +30,7 @@ def manager(num_slots: int = 64, hold: dict[RequestId, int] | None = None) -> KV
         on_part=seen.__setitem__,
     )
     kv.seen_parts = seen  # type: ignore[attr-defined]  # what on_part was told
+    kv.published = (set(), set())  # type: ignore[attr-defined]  # what its events said
     return kv
 
 
@@ -64,6 +65,16 @@ def check(kv: KVCacheManager, live: list[Request]) -> None:
     owners = [p for part in attached.values() if part for p in part]
     assert len(owners) == len(set(owners))
     assert not set(owners) & set(attached)  # a slot holds a block or a part, not both
+    # the events (applied as the worker publishes them: removals first) mirror which
+    # keys are findable, and which of them have their window part
+    events = kv.take_events()
+    held, windowed = kv.published  # type: ignore[attr-defined]
+    held.difference_update(events.removed)
+    held.update(events.stored)
+    windowed.difference_update(events.window_removed)
+    windowed.update(events.window_stored)
+    assert held == set(kv.held_keys())
+    assert windowed == set(kv.window_keys())
 
 
 def test_a_long_request_holds_its_window_parts_only() -> None:
