@@ -83,7 +83,6 @@ class Engine:
             config.device,
             config.kernel_dir,
             block_size=config.cache.block_size,
-            windowed=arch.has_windows,
         )
         self.max_model_len = arch.max_position_embeddings
         graphs = self._decode_graphs(loaded, attention)

@@ -10,6 +10,10 @@ token's running max, sum and accumulator bitwise unchanged (``exp(0) == 1``,
 decode step, in a prefill tile beside later tokens, or in a tile cut at
 another place: prefill rows equal decode rows, and a cached or failed-over
 request stays token-exact. K/V are read in place (no gather of the context).
+A sliding window (a token attends to its ``window`` newest tokens) starts the
+walk at the block of the tile's first token's window and masks the keys before
+each token's window alike: blocks wholly before a token's window leave its state
+as it was, so the bits still do not depend on the tile.
 
 Launch and ownership: :func:`paged_attention` runs on the current CUDA
 stream; it reads the pools and writes a new output tensor, safe to use in
@@ -91,6 +95,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     TQ: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,  # tokens a query attends to, newest first (0: all)
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -115,7 +120,10 @@ def _paged_attention_kernel(
     l_i = tl.zeros((TQ,), dtype=tl.float32)
     acc = tl.zeros((TQ, HEAD_DIM), dtype=tl.float32)
     kv_off = kvh * stride_kvh + offs_t[:, None] * stride_tok + offs_d[None, :]
-    for b in range(0, tl.cdiv(end, BLOCK)):
+    first = 0
+    if WINDOW > 0:  # the block of the first key the tile's first token reads
+        first = tl.maximum(pos0 - WINDOW + 1, 0) // BLOCK
+    for b in range(first, tl.cdiv(end, BLOCK)):
         slot = tl.load(tables_ptr + seq * stride_table + b).to(tl.int64)
         tok = b * BLOCK + offs_t
         in_ctx = tok < end
@@ -123,7 +131,10 @@ def _paged_attention_kernel(
         v = tl.load(v_ptr + slot * stride_block + kv_off, mask=in_ctx[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
         s = s * scale
-        s = tl.where(tok[None, :] <= pos[:, None], s, float("-inf"))
+        keep = tok[None, :] <= pos[:, None]
+        if WINDOW > 0:
+            keep = keep & (tok[None, :] > pos[:, None] - WINDOW)
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         alpha = tl.exp(m_i - m_safe)
@@ -147,11 +158,14 @@ def paged_attention(
     tables: torch.Tensor,
     tiles: Tiles,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q``: ``[N, heads, head_dim]``; ``k_pool``/``v_pool``: one layer's ``[blocks,
     block_size, kv_heads, head_dim]`` views (dense inside a block); ``tables``:
-    ``[S, W]`` block tables. Returns ``[N, heads, head_dim]``; rows no tile covers
-    are left unwritten."""
+    ``[S, W]`` block tables; ``window``: the newest tokens each query attends to (None:
+    all). Returns ``[N, heads, head_dim]``; rows no tile covers are left unwritten."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1 token, not {window}")
     _n, heads, head_dim = q.shape
     block, kv_heads = k_pool.shape[1], k_pool.shape[2]
     if k_pool.stride()[1:] != (kv_heads * head_dim, head_dim, 1) or k_pool.stride() != (
@@ -189,6 +203,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         TQ=TILE_Q,
         IEEE=q.dtype == torch.float32,
+        WINDOW=window or 0,
         num_warps=4,
         num_stages=2,
     )

@@ -27,16 +27,12 @@ def select_attention(
     kernel_dir: Path,
     *,
     block_size: int = 16,
-    windowed: bool = False,
 ) -> AttentionImpl:
-    """``windowed``: the model has sliding-window layers (not every kernel has them)."""
     return AttentionImpl(
         decode=select_decode_attention(
-            backend, dtype, device, kernel_dir, head_dim=head_dim, block_size=block_size,
-            windowed=windowed,
+            backend, dtype, device, kernel_dir, head_dim=head_dim, block_size=block_size
         ),
         prefill=select_prefill_attention(
-            backend, dtype, head_dim, device, kernel_dir, block_size=block_size,
-            windowed=windowed,
+            backend, dtype, head_dim, device, kernel_dir, block_size=block_size
         ),
-    )  # fmt: skip
+    )

@@ -224,10 +224,8 @@ class TritonDecode(DecodeAttention):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:
-            raise ConfigError("the Triton attention kernel has no sliding window")
         tiles, tables = self._prepare(batch)
-        return self.kernel.paged_attention(q, k_pool, v_pool, tables, tiles, scale)
+        return self.kernel.paged_attention(q, k_pool, v_pool, tables, tiles, scale, window)
 
 
 def triton_attention_problem(
@@ -252,16 +250,12 @@ def select_decode_attention(
     *,
     head_dim: int = 64,
     block_size: int = 16,
-    windowed: bool = False,
 ) -> DecodeAttention:
     """``native`` (the C kernel, CPU), ``triton`` (the CUDA kernel), each an error where
     it cannot run; ``torch``; or ``auto``: native on CPU where it builds, Triton on
-    CUDA where it runs, torch otherwise. ``windowed``: the model has sliding-window
-    layers, which the Triton kernel does not run."""
+    CUDA where it runs, torch otherwise."""
     if backend == "triton" or (backend == "auto" and device != "cpu"):
         problem = triton_attention_problem(dtype, head_dim, block_size, device)
-        if problem is None and windowed:
-            problem = "it has no sliding window, which this model's layers use"
         if problem is None:
             return TritonDecode()
         if backend == "triton":

@@ -153,14 +153,14 @@ class TritonPrefill(PrefillAttention):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:
-            raise ConfigError("the Triton attention kernel has no sliding window")
         if seg is not self._seg or self._tiles is None:
             device = str(seg.block_table.device)
             self._tiles = self.kernel.Tiles.prefill(seg.num_new, seg.context_len, device)
             self._table = seg.block_table.to(torch.int32)[None, :]
             self._seg = seg
-        return self.kernel.paged_attention(q, k_pool, v_pool, self._table, self._tiles, scale)
+        return self.kernel.paged_attention(
+            q, k_pool, v_pool, self._table, self._tiles, scale, window
+        )
 
 
 def select_prefill_attention(
@@ -171,15 +171,12 @@ def select_prefill_attention(
     kernel_dir: Path,
     *,
     block_size: int = 16,
-    windowed: bool = False,
 ) -> PrefillAttention:
     """``native`` (the C kernel, CPU), ``triton`` (the CUDA kernel), each an error where
     it cannot run; ``torch`` (SDPA); or ``auto``: native on CPU where it builds and
     supports the model, Triton on CUDA where it runs, SDPA otherwise."""
     if backend == "triton" or (backend == "auto" and device != "cpu"):
         problem = triton_attention_problem(dtype, head_dim, block_size, device)
-        if problem is None and windowed:  # as decode: the kernel has no window
-            problem = "it has no sliding window, which this model's layers use"
         if problem is None:
             return TritonPrefill()
         if backend == "triton":

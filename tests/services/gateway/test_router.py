@@ -108,7 +108,7 @@ def test_a_worker_keeping_only_its_window_counts_a_prefix_as_far_as_its_window_i
     not; w2 keeps every layer and counts as before."""
     live = {"p1": "prefill", "w2": "prefill", "s1": "kvstore"}
     rows = [{"p1", "w2", "s1"} for _ in range(8)]
-    window_rows = [set() for _ in range(4)] + [{"p1"} for _ in range(4)]
+    window_rows: list[set[str]] = [set() for _ in range(4)] + [{"p1"} for _ in range(4)]
     hits = hits_from_holders(rows, live, 16, {"p1": 32}, window_rows)
     assert hits.local == {"p1": 128, "w2": 128} and hits.store == 128
     window_rows[6] = set()  # block 6 loses its window layers too

@@ -65,20 +65,24 @@ def _reference(
     v_pool: torch.Tensor,
     table: torch.Tensor,
     positions: list[int],
+    window: int | None = None,
 ) -> torch.Tensor:
     ctx = max(positions) + 1
     k = k_pool[table].reshape(-1, 3, 64)[:ctx].float().repeat_interleave(3, 1)
     v = v_pool[table].reshape(-1, 3, 64)[:ctx].float().repeat_interleave(3, 1)
     out = []
     for i, p in enumerate(positions):
-        s = torch.einsum("hd,thd->ht", q[i].float(), k[: p + 1]) / 8.0
-        out.append(torch.einsum("ht,thd->hd", s.softmax(-1), v[: p + 1]))
+        lo = 0 if window is None else max(0, p - window + 1)
+        s = torch.einsum("hd,thd->ht", q[i].float(), k[lo : p + 1]) / 8.0
+        out.append(torch.einsum("ht,thd->hd", s.softmax(-1), v[lo : p + 1]))
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prefix", [0, 3, 32])
-def test_attention_prefill_rows_equal_decode_rows(dtype: torch.dtype, prefix: int) -> None:
+@pytest.mark.parametrize(("prefix", "window"), [(0, None), (3, None), (32, None), (3, 40)])
+def test_attention_prefill_rows_equal_decode_rows(
+    dtype: torch.dtype, prefix: int, window: int | None
+) -> None:
     from shared.kernels import triton_attention as ta
 
     _, k_pool, v_pool = _pools(dtype)
@@ -88,22 +92,24 @@ def test_attention_prefill_rows_equal_decode_rows(dtype: torch.dtype, prefix: in
     scale = 1 / math.sqrt(64)
     prefill = ta.paged_attention(
         q, k_pool, v_pool, table.to(torch.int32)[None], ta.Tiles.prefill(new, prefix + new, "cuda"),
-        scale,
+        scale, window,
     )  # fmt: skip
-    want = _reference(q, k_pool, v_pool, table, list(range(prefix, prefix + new)))
+    want = _reference(q, k_pool, v_pool, table, list(range(prefix, prefix + new)), window)
     tol = 1e-4 if dtype == torch.float32 else 0.03
     assert (prefill.float() - want).abs().max().item() < tol
     lens = [prefix + i + 1 for i in range(new)]
     tables = table.to(torch.int32)[None].repeat(new, 1)
-    decode = ta.paged_attention(q, k_pool, v_pool, tables, ta.Tiles.decode(lens, "cuda"), scale)
+    decode = ta.paged_attention(
+        q, k_pool, v_pool, tables, ta.Tiles.decode(lens, "cuda"), scale, window
+    )
     assert torch.equal(decode, prefill)
     # one row alone, and the prompt cut into other chunks: the same bits
     alone = ta.paged_attention(
-        q[40:41], k_pool, v_pool, tables[:1], ta.Tiles.decode([lens[40]], "cuda"), scale
+        q[40:41], k_pool, v_pool, tables[:1], ta.Tiles.decode([lens[40]], "cuda"), scale, window
     )
     assert torch.equal(alone, prefill[40:41])
     tail = ta.paged_attention(
         q[50:], k_pool, v_pool, table.to(torch.int32)[None],
-        ta.Tiles.prefill(new - 50, prefix + new, "cuda"), scale,
+        ta.Tiles.prefill(new - 50, prefix + new, "cuda"), scale, window,
     )  # fmt: skip
     assert torch.equal(tail, prefill[50:])

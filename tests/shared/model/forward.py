@@ -46,8 +46,7 @@ def prefill_logits(
     if attention is None:  # what an engine on this machine picks
         model = loaded.model
         attention = select_attention(
-            "auto", model.dtype, loaded.arch.head_dim, model.device, EngineConfig().kernel_dir,
-            windowed=loaded.arch.has_windows,
+            "auto", model.dtype, loaded.arch.head_dim, model.device, EngineConfig().kernel_dir
         )  # fmt: skip
     return loaded.model.forward(
         torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n), attention
