@@ -150,7 +150,10 @@ def window_cut(
     """The longest of the first ``blocks`` blocks that ``holder`` can reuse when its
     sliding layers keep only their ``window`` tokens: every block the next row's window
     reads (one row back) has its window entry, as the KV cache manager's own local hit
-    cuts it (:meth:`KVCacheManager.window_first`)."""
+    cuts it (:meth:`KVCacheManager.window_first`). An upper bound still: a prefill
+    instance also stops about a window past the first block the store lacks (it must
+    send that block's every layer, :meth:`KVConnector.window_hold`), which the index
+    does not say."""
     while blocks:
         first = max(0, blocks * block_size - window) // block_size
         missing = [i for i in range(first, blocks) if holder not in rows[i]]

@@ -148,7 +148,6 @@ def measure(
     finally:
         engine.set_num_threads(saved)
     layout, groups = engine.layout, engine.kv_cache.groups
-    sliding = layout.num_layers - groups.width if groups.windowed else 0
     progress(f"transfer over {transport}: {transfer_mb} MB")
     speed = asyncio.run(measure_transfer(transport, layout.block_bytes, transfer_mb))
     return Profile(
@@ -163,7 +162,7 @@ def measure(
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         notes={"transport": transport},
         kv_window=(groups.window or 0) if groups.windowed else 0,
-        kv_window_bytes_per_token=layout.bytes_per_token * sliding // layout.num_layers,
+        kv_window_bytes_per_token=groups.window_bytes_per_token(layout.bytes_per_token),
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import BatonError
+from shared.kv.layer_groups import load_bytes
 
 VERSION = 1
 
@@ -117,14 +118,15 @@ class Profile:
 
     # -- the simulator's questions ----------------------------------------------------
     def load_bytes(self, tokens: int) -> int:
-        """KV bytes a load of a ``tokens``-token prefix moves: every layer of the tokens
-        the next row's window reads (and a block more), only the full-attention layers
-        of the others (see ``shared.kvstore.pool_copies.Gathered.landing``)."""
-        if not self.kv_window:
-            return tokens * self.kv_bytes_per_token
-        windowed = min(tokens, self.kv_window + self.block_size)
-        full = self.kv_bytes_per_token - self.kv_window_bytes_per_token
-        return tokens * full + windowed * self.kv_window_bytes_per_token
+        """KV bytes a load of a ``tokens``-token prefix moves (see
+        :func:`shared.kv.layer_groups.load_bytes`)."""
+        return load_bytes(
+            tokens,
+            self.kv_bytes_per_token,
+            self.block_size,
+            self.kv_window,
+            self.kv_window_bytes_per_token,
+        )
 
     def prefill_seconds(self, tokens: int, threads: int) -> float:
         if tokens <= 0:

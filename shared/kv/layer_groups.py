@@ -70,6 +70,12 @@ class LayerGroups:
                 return g, layers.index(layer)
         raise ValueError(f"layer {layer} is in no group")
 
+    def window_bytes_per_token(self, bytes_per_token: int) -> int:
+        """Of a token's ``bytes_per_token`` KV bytes, the sliding layers' (0: none)."""
+        if not self.windowed:
+            return 0
+        return bytes_per_token * (self.num_layers - self.width) // self.num_layers
+
     def describe(self) -> str:
         if not self.windowed:
             return f"{self.num_layers} layers, every block"
@@ -78,3 +84,21 @@ class LayerGroups:
             f"{self.num_layers - self.width} sliding-window layers ({self.window} tokens) "
             f"in {self.num_window_groups} groups for the window's blocks only"
         )
+
+
+def load_bytes(
+    tokens: int,
+    bytes_per_token: int,
+    block_size: int,
+    window: int = 0,
+    window_bytes_per_token: int = 0,
+) -> int:
+    """KV bytes a load of a ``tokens``-token prefix moves into a pool that keeps its
+    sliding layers (``window_bytes_per_token`` of each token's bytes) only for the
+    ``window`` tokens the next row reads: every layer of those (and a block more, the
+    row back and the partial ends), the full-attention layers of the rest (see
+    ``shared.kvstore.pool_copies.Gathered.landing``). ``window`` 0: every layer."""
+    if not window:
+        return tokens * bytes_per_token
+    windowed = min(tokens, window + block_size)
+    return tokens * (bytes_per_token - window_bytes_per_token) + windowed * window_bytes_per_token

@@ -52,6 +52,9 @@ from shared.kvstore.transfer_tasks import TransferTasks, release, retrieve
 from shared.kvstore.transfers import LayerItem, Load, PutJob, StagingPool
 
 log = logging.getLogger(__name__)
+# a put's copies held for the first token (host rows): past this they go at once, taking
+# CPU from the prompt's compute rather than memory without bound
+MAX_HELD_BYTES = 256 << 20
 
 
 @dataclass(eq=False)
@@ -123,7 +126,14 @@ class KVStoreConnector(KVConnector):
     def bind(self, pool: KVCache) -> None:
         super().bind(pool)
         self.layout = pool.layout
-        self.pull = PullCost(pool.layout.bytes_per_token, self.pull_policy)
+        bpt, groups = pool.layout.bytes_per_token, pool.groups
+        self.pull = PullCost(
+            bpt,
+            self.pull_policy,
+            block_size=pool.layout.block_size,
+            window=(groups.window or 0) if groups.windowed else 0,
+            window_bytes_per_token=groups.window_bytes_per_token(bpt),
+        )
         self.copies = pool_copies(pool)
         self.tasks.pool, self.tasks.pull, self.tasks.copies = pool, self.pull, self.copies
         if self.staging_blocks:
@@ -323,8 +333,11 @@ class KVStoreConnector(KVConnector):
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer, out=rows))
             else:
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer))
-            if whole and not item.copy.reads_pool and not job.send_staged.is_set():
-                job.holds_copies = True
+            if not item.copy.reads_pool and not job.send_staged.is_set():
+                job.holds_copies |= whole
+                job.held_bytes += sum(b.numel() for b in item.copy.buffers)
+                if job.held_bytes > MAX_HELD_BYTES:  # too much host memory: send them now
+                    self.tasks.soon(job.send_staged.set)
             self.tasks.dispatch(job, item)
 
     def _whole_blocks(self, job: PutJob, slots: list[Slot]) -> SlotBytes:

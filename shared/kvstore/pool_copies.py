@@ -149,7 +149,7 @@ class PoolCopies(ABC):
 
     def staging(self, count: int, nbytes: int) -> torch.Tensor:
         """``[count, nbytes]`` host rows that copies out of the pool may target."""
-        return torch.zeros((count, nbytes), dtype=torch.uint8)
+        return torch.empty((count, nbytes), dtype=torch.uint8)
 
 
 class InPlace(PoolCopies):

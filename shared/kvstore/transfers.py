@@ -91,6 +91,7 @@ class PutJob:
     # a copy waiting for send_staged is queued (engine thread): a later item of the
     # pool's own bytes would queue behind it while the step waits for it to leave
     holds_copies: bool = False
+    held_bytes: int = 0  # copies made while send_staged was not set (engine thread)
 
     @property
     def complete(self) -> bool:

@@ -21,6 +21,7 @@ from shared.engine.engine_loop import next_output
 from shared.engine.kv_cache_manager import cdiv
 from shared.engine.kv_connector import KVConnector
 from shared.engine.sampling_params import SamplingParams
+from shared.kvstore import connector as connector_module
 from shared.model.loader import LoadedModel, load_model
 from shared.model.registry import GEMMA3_270M
 from tests.conftest import EngineFactory
@@ -120,6 +121,35 @@ async def test_chunks_sent_whole_then_layer_by_layer_reach_the_store_whole(
     # partly filled blocks at either end); of the others, the 3 full-attention layers
     lb, n, window = layout.layer_bytes, len(ids), cdiv(512, 16) + 2
     assert n * 3 * lb < store.streamed_bytes <= (window * 18 + (n - window) * 3) * lb
+
+
+async def test_copies_held_past_their_bound_go_before_the_first_token(
+    make_gemma: EngineFactory, gemma: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host rows held for the first token are bounded: past MAX_HELD_BYTES a put sends
+    what it holds at once (here from its first chunk on), and everything still lands
+    whole and token-exact."""
+    monkeypatch.setattr(connector_module, "MAX_HELD_BYTES", 1)
+    prompt = story(gemma, 700)
+    expected = make_gemma(sliding_window_kv=False).generate([prompt], GREEDY)[0].token_ids
+    layout = make_gemma().layout
+    store = FakeKVStoreClient(layout.block_bytes, layout.num_layers)
+    async with (
+        node(make_gemma, store, layerwise=lambda: False) as p,
+        node(make_gemma, store) as d,
+    ):
+        req = p.engine.new_request(prompt, _first_only(GREEDY), request_id="p1")
+        plan = await p.connector.plan_prefill(req, hold_staged=True)
+        job = plan.put_job
+        assert job is not None
+        outputs = p.loop.subscribe("p1")
+        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        first = await asyncio.wait_for(next_output(outputs), 120)
+        assert job.send_staged.is_set()  # the connector let them go
+        await asyncio.wait_for(asyncio.shield(job.committed), 60)
+        assert_store_holds(store, plan.put_ids, full_cache_blocks(make_gemma, prompt))
+        tokens = await d.decode(prompt, GREEDY, "d1", plan.put_ids, first.new_token_ids[0])
+        assert tokens == expected
 
 
 async def test_a_local_hit_the_store_lacks_is_cut_where_window_parts_are_gone(
