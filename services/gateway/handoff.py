@@ -162,8 +162,10 @@ class Handoff:
         raise ServiceError(503, f"no {role} instance could be reached", code="no_live_instance")
 
     async def _start(self, request_id: str, prefill_body: PrefillRequest) -> Started:
-        """Open prefill, then decode (it pulls while prefill computes), and wait for the
-        first token. On failure, whatever was opened is closed (the work cancelled)."""
+        """Open prefill, then decode (it pulls while prefill computes; unless prefill says
+        the KV comes only after the first token: then :meth:`generate` opens it), and
+        wait for the first token. On failure, whatever was opened is closed (the work
+        cancelled)."""
         prompt, sampling = prefill_body.prompt_token_ids, prefill_body.sampling
         hits = await self.locate(prompt, prefill_body.cache_salt)
         prefill_pick, prefill, accepted = await self._open(
@@ -171,18 +173,8 @@ class Handoff:
         )
         started = Started(prefill_pick, prefill, accepted, hits)
         try:
-            if sampling.max_tokens > 1:
-                body = DecodeRequest(**prefill_body.model_dump(), kv_ids=accepted.kv_ids)
-                # once accepted, decode reserves KV pool space and pulls from the store
-                started.decode_pick, started.decode, _ = await self._open(
-                    "decode",
-                    "/v1/decode",
-                    body.model_dump_json(),
-                    request_id,
-                    1,
-                    hits,
-                    alongside=prefill_pick,
-                )
+            if sampling.max_tokens > 1 and not accepted.kv_after_first_token:
+                await self._open_decode(request_id, prefill_body, started, alongside=True)
             first = await prefill.next()
             if not isinstance(first, FirstTokenEvent):
                 raise ServiceError(502, f"prefill sent {first.event} instead of the first token")
@@ -197,6 +189,23 @@ class Handoff:
         started.first = first
         started.drain = asyncio.create_task(self._drain(prefill), name=f"drain:{request_id}")
         return started
+
+    async def _open_decode(
+        self, request_id: str, prefill_body: PrefillRequest, started: Started, *, alongside: bool
+    ) -> None:
+        """Open the request's decode: it reserves KV pool space and pulls from the store.
+        ``alongside``: the prefill pick still counts (it has not given the first token)."""
+        body = DecodeRequest(**prefill_body.model_dump(), kv_ids=started.accepted.kv_ids)
+        self.metrics.decode_opens.labels("alongside" if alongside else "after_first_token").inc()
+        started.decode_pick, started.decode, _ = await self._open(
+            "decode",
+            "/v1/decode",
+            body.model_dump_json(),
+            request_id,
+            1,
+            started.hits,
+            alongside=started.prefill_pick if alongside else None,
+        )
 
     async def locate(self, prompt: list[int], cache_salt: str | None) -> PrefixHits:
         return await self.locator.locate(
@@ -259,16 +268,29 @@ class Handoff:
                 raise ServiceError(502, "prefill gave no first token")
             reason = first.finish_reason or ("length" if sampling.max_tokens == 1 else None)
             cache = CacheReport(started.prefill_pick.predicted_cached, first.cached_tokens)
-            decode, decode_pick = started.decode, started.decode_pick
-            if decode is None or decode_pick is None or reason is not None:
+            if reason is not None:
                 yield Generated(first.token, reason, cache)
                 return
+            worker_body = body.model_copy(update={"request_id": worker_id})
+            if started.decode is None:  # opened now, while the client gets the first token
+                opening = asyncio.create_task(
+                    self._open_decode(worker_id, worker_body, started, alongside=False),
+                    name=f"open-decode:{worker_id}",
+                )
+                try:
+                    yield Generated(first.token, None, cache)
+                    await opening
+                except BaseException:
+                    opening.cancel()
+                    raise
+                first_sent = True
+            else:
+                first_sent = False
+            decode, decode_pick = started.decode, started.decode_pick
+            if decode is None or decode_pick is None:
+                raise ServiceError(502, "no decode stream was opened")
             session = started.session = self._session(
-                request_id,
-                body.model_copy(update={"request_id": worker_id}),
-                started,
-                decode_pick,
-                decode,
+                request_id, worker_body, started, decode_pick, decode
             )
             # the client gets the first token while it goes on to decode (one HTTP
             # round trip off TTFT); decode's stream is read only once it has it
@@ -276,11 +298,12 @@ class Handoff:
                 self._send_first(decode_pick, worker_id, first.token),
                 name=f"first-token:{worker_id}",
             )
-            try:
-                yield Generated(first.token, None, cache)
-            except BaseException:
-                send.cancel()
-                raise
+            if not first_sent:
+                try:
+                    yield Generated(first.token, None, cache)
+                except BaseException:
+                    send.cancel()
+                    raise
             async for token in session.tokens(first.token, send):
                 yield Generated(token.token, token.finish_reason)
         finally:

@@ -106,6 +106,13 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.decode_opens = Counter(
+            "baton_decode_opens",
+            "Decode streams opened for prefilled requests, by when (alongside: as prefill "
+            "starts, to pull while it computes; after_first_token: its KV comes only then)",
+            ["when"],
+            registry=r,
+        )
         self.failovers = Counter(
             "baton_failovers",
             "Requests moved to another decode instance mid-stream, by why (lost: its stream "

@@ -137,6 +137,10 @@ class Accepted(_Wire):
     instance_id: str
     kv_ids: list[str] = []
     num_cached_tokens: int = 0
+    # prefill: the prompt's KV will reach the store only once its first token is out
+    # (sent whole after steps that take every core): a decode opened before then could
+    # only wait, and its setup would take CPU from those steps
+    kv_after_first_token: bool = False
 
 
 class FirstTokenEvent(_Wire):

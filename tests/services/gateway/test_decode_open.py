@@ -1,0 +1,83 @@
+"""When the gateway opens a prefilled request's decode. A lone prompt on a prefill
+instance whose elastic threads take every core sends its KV whole after its first
+token (``Accepted.kv_after_first_token``): the decode is opened only then, while the
+client gets that token, so its setup takes no CPU from the prompt's compute. With a
+core left (a prefill fixed at one thread), decode opens alongside and pulls while
+prefill computes. Either way the tokens are the in-process engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from shared.bench.chaos import ChaosRequest, reference, stream
+from shared.launcher import LocalCluster
+from tests.conftest import EngineFactory
+from tests.services.conftest import MODEL, Cluster, serving_reference, start_cluster
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    local = start_cluster(tmp_path_factory.mktemp("elastic"), prefill=1, decode=1, max_threads=2)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def opens(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^baton_decode_opens_total\{when="(\w+)"\} (\S+)$', text, re.M)
+    }
+
+
+def run_one_at_a_time(url: str, requests: list[ChaosRequest]) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        out = []
+        async with httpx.AsyncClient(timeout=300) as http:
+            for r in requests:
+                res = await stream(http, url, MODEL, r)
+                assert res.error is None, res.error
+                out.append(res.tokens)
+        return out
+
+    return asyncio.run(run())
+
+
+def requests(seed: int) -> list[ChaosRequest]:
+    rng = random.Random(seed)
+    return [
+        ChaosRequest([rng.randrange(1000, 30000) for _ in range(n)], 24, s)
+        for n, s in ((600, None), (300, 5), (900, None), (40, 9))
+    ]
+
+
+def test_a_lone_prompt_on_every_core_opens_decode_after_its_first_token(
+    elastic: LocalCluster, make_engine: EngineFactory
+) -> None:
+    reqs = requests(1)
+    before = opens(elastic.gateway_url)
+    got = run_one_at_a_time(elastic.gateway_url, reqs)
+    after = opens(elastic.gateway_url)
+    assert got == reference(serving_reference(make_engine, enable_prefix_caching=False), reqs)
+    late = after.get("after_first_token", 0) - before.get("after_first_token", 0)
+    assert late >= len(reqs) - 1  # the first may follow a step on one thread
+
+
+def test_a_prefill_with_a_core_left_opens_decode_alongside(
+    cluster: Cluster, make_engine: EngineFactory
+) -> None:
+    reqs = requests(2)
+    before = opens(cluster.url)
+    got = run_one_at_a_time(cluster.url, reqs)
+    after = opens(cluster.url)
+    assert got == reference(serving_reference(make_engine, enable_prefix_caching=False), reqs)
+    assert after.get("alongside", 0) - before.get("alongside", 0) == len(reqs)
+    assert after.get("after_first_token", 0) == before.get("after_first_token", 0)
