@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from shared.engine.elastic_threads import (
     RECHECK_S,
     ProcStatSource,
     ThreadGovernor,
+    _OwnThreads,
     sibling_threads,
     threads_for,
 )
@@ -192,6 +194,30 @@ def test_sibling_engine_threads_are_found_by_name_and_read_running() -> None:
 def test_proc_stat_source_reads_this_machine() -> None:
     src = ProcStatSource()
     assert src.cpus >= 1 and src.running_others() >= 0
+
+
+@pytest.mark.skipif(not ProcStatSource.available(), reason="no /proc/stat")
+def test_own_threads_are_read_from_files_opened_once_and_follow_starts_and_ends() -> None:
+    """The reader keeps each thread's stat file open between looks: a thread started
+    since the last look is read (never taken for another process's), one that ended is
+    dropped and its file closed; a thread asleep is not running, the reader is."""
+    own = _OwnThreads()
+    stop = threading.Event()
+    started = [threading.Thread(target=stop.wait) for _ in range(4)]
+    for t in started:
+        t.start()
+    assert own.running() >= 1  # the reader itself
+    tids = {str(t.native_id) for t in started}
+    assert tids <= own._fds.keys()
+    fds = [own._fds[tid] for tid in tids]
+    stop.set()
+    for t in started:
+        t.join()
+    own.running()
+    assert not tids & own._fds.keys()
+    for fd in fds:  # closed (a number may be reused by another open meanwhile: not here)
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
