@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 
-from services.gateway.decode_session import DecodeSession, FailoverPolicy
+from services.gateway.decode_session import RETRY_S, DecodeSession, FailoverPolicy
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_locator import PrefixHits, PrefixLocator
 from services.gateway.router import Pick, Router
@@ -49,6 +51,7 @@ from shared.serving.protocol import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 DRAIN_S = 60.0
 
 
@@ -80,6 +83,7 @@ class Started:
     first: FirstTokenEvent | None = None
     drain: asyncio.Task[None] | None = None
     session: DecodeSession | None = None
+    accepted_id: str = ""  # the request's id on its decode instance, once opened
 
 
 class Handoff:
@@ -190,13 +194,43 @@ class Handoff:
         started.drain = asyncio.create_task(self._drain(prefill), name=f"drain:{request_id}")
         return started
 
+    async def _hand_first(self, started: Started, token: WireToken) -> asyncio.Task[None]:
+        """Start sending the first token to the request's decode (its delivery is the
+        session's to watch: it may fail like the instance itself)."""
+        pick = started.decode_pick
+        if pick is None:
+            raise ServiceError(502, "no decode stream was opened")
+        worker_id = started.accepted_id
+        send = self._send_first(pick, worker_id, token)
+        return _retrieved(asyncio.create_task(send, name=f"send-first:{worker_id}"))
+
+    async def _open_late(
+        self, request_id: str, body: PrefillRequest, started: Started, token: WireToken
+    ) -> asyncio.Task[None]:
+        """Open the decode of a request whose first token is out, retried as a resume is
+        (none live, or the one picked lost or silent before it accepted) until
+        ``failover_timeout_s``; then start handing it the first token."""
+        deadline = time.monotonic() + self.failover.failover_timeout_s
+        while True:
+            try:
+                await asyncio.wait_for(
+                    self._open_decode(request_id, body, started, alongside=False),
+                    self.failover.progress_timeout_s,
+                )
+                return await self._hand_first(started, token)
+            except (ServiceError, TimeoutError) as exc:
+                retry = not isinstance(exc, ServiceError) or exc.status == 503 or exc.code == LOST
+                if not retry or time.monotonic() > deadline:
+                    raise
+                log.warning("no decode instance took %s yet; retrying: %s", request_id, exc)
+                await asyncio.sleep(RETRY_S)
+
     async def _open_decode(
         self, request_id: str, prefill_body: PrefillRequest, started: Started, *, alongside: bool
     ) -> None:
         """Open the request's decode: it reserves KV pool space and pulls from the store.
         ``alongside``: the prefill pick still counts (it has not given the first token)."""
         body = DecodeRequest(**prefill_body.model_dump(), kv_ids=started.accepted.kv_ids)
-        self.metrics.decode_opens.labels("alongside" if alongside else "after_first_token").inc()
         started.decode_pick, started.decode, _ = await self._open(
             "decode",
             "/v1/decode",
@@ -206,6 +240,8 @@ class Handoff:
             started.hits,
             alongside=started.prefill_pick if alongside else None,
         )
+        started.accepted_id = body.request_id
+        self.metrics.decode_opens.labels("alongside" if alongside else "after_first_token").inc()
 
     async def locate(self, prompt: list[int], cache_salt: str | None) -> PrefixHits:
         return await self.locator.locate(
@@ -272,38 +308,26 @@ class Handoff:
                 yield Generated(first.token, reason, cache)
                 return
             worker_body = body.model_copy(update={"request_id": worker_id})
-            if started.decode is None:  # opened now, while the client gets the first token
-                opening = asyncio.create_task(
-                    self._open_decode(worker_id, worker_body, started, alongside=False),
-                    name=f"open-decode:{worker_id}",
-                )
-                try:
-                    yield Generated(first.token, None, cache)
-                    await opening
-                except BaseException:
-                    opening.cancel()
-                    raise
-                first_sent = True
+            # the client gets the first token while it goes on to decode (one HTTP
+            # round trip off TTFT); decode's stream is read only once it has it. A decode
+            # not opened yet (its KV comes only now) is opened meanwhile, then handed it
+            if started.decode is None:
+                task = self._open_late(request_id, worker_body, started, first.token)
             else:
-                first_sent = False
+                task = self._hand_first(started, first.token)
+            handing = _retrieved(asyncio.create_task(task, name=f"first-token:{worker_id}"))
+            try:
+                yield Generated(first.token, None, cache)
+                send = await handing
+            except BaseException:
+                handing.cancel()
+                raise
             decode, decode_pick = started.decode, started.decode_pick
             if decode is None or decode_pick is None:
                 raise ServiceError(502, "no decode stream was opened")
             session = started.session = self._session(
                 request_id, worker_body, started, decode_pick, decode
             )
-            # the client gets the first token while it goes on to decode (one HTTP
-            # round trip off TTFT); decode's stream is read only once it has it
-            send = asyncio.create_task(
-                self._send_first(decode_pick, worker_id, first.token),
-                name=f"first-token:{worker_id}",
-            )
-            if not first_sent:
-                try:
-                    yield Generated(first.token, None, cache)
-                except BaseException:
-                    send.cancel()
-                    raise
             async for token in session.tokens(first.token, send):
                 yield Generated(token.token, token.finish_reason)
         finally:
@@ -453,3 +477,9 @@ def _dropped_connection(exc: BaseException) -> bool:
     return isinstance(exc, httpx.TransportError) and not isinstance(
         exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.TimeoutException)
     )
+
+
+def _retrieved(task: asyncio.Task[T]) -> asyncio.Task[T]:
+    """``task``, whose exception is taken even if nobody awaits it (the request ended)."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task

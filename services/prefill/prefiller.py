@@ -27,7 +27,7 @@ from shared.config import BatonSettings, EngineConfig
 from shared.engine.engine_loop import next_output
 from shared.engine.request import FinishReason
 from shared.errors import InvalidRequestError
-from shared.kvstore.connector import KVStoreConnector
+from shared.kvstore.connector import KVStoreConnector, StorePlan
 from shared.serving.metrics import latency_histogram
 from shared.serving.protocol import (
     Accepted,
@@ -75,6 +75,9 @@ class Prefiller(Worker):
     def __init__(self, settings: PrefillSettings, baton: BatonSettings):
         super().__init__(settings, baton)
         self.prefill_metrics = PrefillMetrics(self.metrics)
+        # the engine thread's cores (this thread's affinity may differ: it is asked from
+        # the event loop's too)
+        self._engine_cpus = len(baton.engine_cpu_set() or os.sched_getaffinity(0))
 
     def make_connector(self) -> KVStoreConnector:
         return KVStoreConnector(
@@ -101,7 +104,17 @@ class Prefiller(Worker):
         155 ms of compute, and its load could not start before then anyway."""
         threads = self._loop.stats.threads if self._loop is not None else 0
         threads = threads or self.baton.num_threads or 0  # before its first step
-        return 0 < threads < len(os.sched_getaffinity(0))
+        return 0 < threads < self._engine_cpus
+
+    def _kv_after_first_token(self, plan: StorePlan, whole: bool) -> bool:
+        """Whether none of the prompt's KV can reach a decode before its first token:
+        the store holds none of its blocks, and they will be sent whole at the end (a
+        short prompt, or steps on every core). A connector without the layer-by-layer
+        choice (a mixed instance's) always streams."""
+        job = plan.put_job
+        if job is None or len(job.needed) < len(job.ids):
+            return False  # a decode can pull the blocks the store already has
+        return whole or (self.connector.layerwise is not None and not self.connector.layerwise())
 
     def engine_config(self) -> EngineConfig:
         """One prompt per step, the shortest first (its TTFT is its own compute, not that
@@ -133,9 +146,9 @@ class Prefiller(Worker):
             cache_salt=body.cache_salt,
         )
         whole = req.num_prompt_tokens < self.settings.layerwise_min_tokens
-        late = whole or not self._core_left_for_transfers()
         # the first token leaves before the step's staged KV: it is what the client waits for
         plan = await self.connector.plan_prefill(req, whole_blocks=whole, hold_staged=True)
+        late = self._kv_after_first_token(plan, whole)
         self.in_flight[rid] = req
         outputs = self.loop.subscribe(rid)
         added = sampled = False

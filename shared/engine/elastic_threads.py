@@ -227,7 +227,7 @@ class _OwnThreads:
     def running(self) -> int:
         tids = set(os.listdir("/proc/self/task"))
         for tid in self._fds.keys() - tids:
-            os.close(self._fds.pop(tid))
+            self._drop(tid)
         count = 0
         for tid in tids:
             fd = self._fds.get(tid)
@@ -236,10 +236,14 @@ class _OwnThreads:
                     fd = self._fds[tid] = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
                 stat = os.pread(fd, 512, 0)
             except OSError:  # the thread ended meanwhile
-                if tid in self._fds:
-                    os.close(self._fds.pop(tid))
+                self._drop(tid)
                 continue
             end = stat.rfind(b")")
             count += stat[end + 2 : end + 3] == b"R"
         return count
 
+    def _drop(self, tid: str) -> None:
+        fd = self._fds.pop(tid, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

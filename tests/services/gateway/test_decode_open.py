@@ -8,6 +8,7 @@ prefill computes. Either way the tokens are the in-process engine's."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 from collections.abc import Iterator
@@ -20,10 +21,14 @@ from shared.launcher import LocalCluster
 from tests.conftest import EngineFactory
 from tests.services.conftest import MODEL, Cluster, serving_reference, start_cluster
 
+CPUS = len(os.sched_getaffinity(0))
+pytestmark = pytest.mark.skipif(CPUS < 2, reason="a prefill with a core left needs 2 CPUs")
+
 
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = start_cluster(tmp_path_factory.mktemp("elastic"), prefill=1, decode=1, max_threads=2)
+    """Prefill's elastic ceiling is every CPU (as ``baton up`` sets it)."""
+    local = start_cluster(tmp_path_factory.mktemp("elastic"), prefill=1, decode=1, max_threads=CPUS)
     try:
         yield local
     finally:
