@@ -23,6 +23,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kvstore.connector import KVStoreConnector, StorePlan
 from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.kvstore.pull_cost import PullPolicy
+from shared.kvstore.transfers import PutJob
 from tests.conftest import EngineFactory
 from tests.shared.kvstore.fake_store import FakeKVStoreClient
 
@@ -141,6 +142,20 @@ class FakeWatermarks:
         self.tokens.pop(request_id, None)
 
 
+async def first_token_held(
+    p: Node, prompt: list[int], rid: str = "p1"
+) -> tuple[StorePlan, PutJob, RequestOutput]:
+    """Prefill ``prompt`` as the prefill role does (staged whole blocks wait for the first
+    token: ``send_staged`` is left to the caller) up to its first token."""
+    req = p.engine.new_request(prompt, _first_only(GREEDY), request_id=rid)
+    plan = await p.connector.plan_prefill(req, hold_staged=True)
+    job = plan.put_job
+    assert job is not None
+    outputs = p.loop.subscribe(rid)
+    await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+    return plan, job, await asyncio.wait_for(next_output(outputs), 120)
+
+
 def fake_store(make_engine: EngineFactory) -> FakeKVStoreClient:
     layout = make_engine(kv_cache_bytes=1 << 20).layout
     return FakeKVStoreClient(layout.block_bytes, layout.num_layers)
@@ -224,13 +239,7 @@ async def test_held_staged_blocks_leave_after_the_first_token(
         node(make_engine, store, layerwise=lambda: False, staging_blocks=staging_blocks) as p,
         node(make_engine, store) as d,
     ):
-        req = p.engine.new_request(prompt, _first_only(GREEDY), request_id="p1")
-        plan = await p.connector.plan_prefill(req, hold_staged=True)
-        job = plan.put_job
-        assert job is not None
-        outputs = p.loop.subscribe("p1")
-        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
-        first = await asyncio.wait_for(next_output(outputs), 120)
+        plan, job, first = await first_token_held(p, prompt)
         await asyncio.sleep(0.1)  # time enough for any write to be sent
         if staging_blocks:
             assert store.node.writes == [] and not job.committed.done()

@@ -17,7 +17,6 @@ import torch
 
 from shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
-from shared.engine.engine_loop import next_output
 from shared.engine.kv_cache_manager import cdiv
 from shared.engine.kv_connector import KVConnector
 from shared.engine.sampling_params import SamplingParams
@@ -26,7 +25,7 @@ from shared.model.loader import LoadedModel, load_model
 from shared.model.registry import GEMMA3_270M
 from tests.conftest import EngineFactory
 from tests.shared.kvstore.fake_store import FakeKVStoreClient
-from tests.shared.kvstore.test_connector import Node, _first_only, node
+from tests.shared.kvstore.test_connector import Node, first_token_held, node
 
 pytestmark = pytest.mark.slow
 
@@ -85,13 +84,7 @@ def assert_store_holds(store: FakeKVStoreClient, ids: list[str], want: list[np.n
 
 async def prefill_held(p: Node, prompt: list[int], rid: str) -> tuple[int, list[str]]:
     """Prefill as the prefill role does: staged whole blocks wait for the first token."""
-    req = p.engine.new_request(prompt, _first_only(GREEDY), request_id=rid)
-    plan = await p.connector.plan_prefill(req, hold_staged=True)
-    job = plan.put_job
-    assert job is not None
-    outputs = p.loop.subscribe(rid)
-    await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
-    first = await asyncio.wait_for(next_output(outputs), 120)
+    plan, job, first = await first_token_held(p, prompt, rid)
     job.send_staged.set()
     await asyncio.wait_for(asyncio.shield(job.committed), 60)
     return first.new_token_ids[0], plan.put_ids
@@ -138,13 +131,7 @@ async def test_copies_held_past_their_bound_go_before_the_first_token(
         node(make_gemma, store, layerwise=lambda: False) as p,
         node(make_gemma, store) as d,
     ):
-        req = p.engine.new_request(prompt, _first_only(GREEDY), request_id="p1")
-        plan = await p.connector.plan_prefill(req, hold_staged=True)
-        job = plan.put_job
-        assert job is not None
-        outputs = p.loop.subscribe("p1")
-        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
-        first = await asyncio.wait_for(next_output(outputs), 120)
+        plan, job, first = await first_token_held(p, prompt)
         assert job.send_staged.is_set()  # the connector let them go
         await asyncio.wait_for(asyncio.shield(job.committed), 60)
         assert_store_holds(store, plan.put_ids, full_cache_blocks(make_gemma, prompt))
