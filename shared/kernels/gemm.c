@@ -21,12 +21,13 @@
  * not depend on the batch it is in.
  *
  * bf16 on a CPU with AMX (and K a multiple of 32): every row, decode's and
- * prefill's alike, goes through AMX tiles instead (16-row blocks x the panel's
- * three 16-column tiles, k in order in steps of 32). The packed panel is
+ * prefill's alike, goes through AMX tiles instead (blocks of 32 or 16 rows x the
+ * panel's three 16-column tiles, k in order in steps of 32). The packed panel is
  * already the B tiles' layout (k pairs, 192-byte rows). AMX rounds its sums
  * differently from AVX512-BF16, so the choice depends on K and the machine
  * only, never on the row count: a row's result still does not depend on its
- * batch, and a prompt computes 3-4x faster.
+ * batch (nor on the block it falls in: each row of a tile product is its own
+ * chain), and a prompt computes 3-4x faster.
  *
  * Built on first use by shared/kernels/build.py, called through ctypes.
  */
@@ -220,39 +221,95 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
-/* Tiles 0-2: a block's 16 x 48 fp32 sums; 3: its rows' 32 k values; 4: a B tile. */
+/* Tiles 0-2: a block's 16 x 48 fp32 sums; 3 and 4: its rows' 32 k values, for even and
+ * odd k steps; 5-7: the panel's three B tiles. Distinct source tiles let a load start
+ * while the previous step's products still read the other tiles. */
 static void amx_configure(void) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 8; t++) {
         c.rows[t] = AMX_ROWS;
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
 }
 
-/* c[16][PANEL] = a[16][k_len] . panel, k in order (a's rows lda elements apart).
- * No software prefetch: the tile loads walk each panel in address order, and
- * prefetching the next panel measured slower for one row (decode). */
+/* One k step: tiles 0-2 += the a tile `at` (already loaded) . the panel's pair rows at b. */
+#define AMX_STEP(at, b)                 \
+    do {                                \
+        _tile_loadd(5, (b), PANEL * 4); \
+        _tile_dpbf16ps(0, at, 5);       \
+        _tile_loadd(6, (b) + 32, PANEL * 4); \
+        _tile_dpbf16ps(1, at, 6);       \
+        _tile_loadd(7, (b) + 64, PANEL * 4); \
+        _tile_dpbf16ps(2, at, 7);       \
+    } while (0)
+
+/* c[16][PANEL] = a[16][k_len] . panel, k in order (a's rows lda elements apart). */
 static void amx_block(const uint16_t *a, int64_t lda, int64_t k_len, const uint16_t *panel,
                       float *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
-    for (int64_t k = 0; k < k_len; k += AMX_K) {
+    for (int64_t k = 0; k < k_len; k += 2 * AMX_K) {
         _tile_loadd(3, a + k, lda * 2);
-        const uint16_t *b = panel + k * PANEL; /* k / 2 pair rows of PANEL x 2 values */
-        _tile_loadd(4, b, PANEL * 4);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(4, b + 32, PANEL * 4);
-        _tile_dpbf16ps(1, 3, 4);
-        _tile_loadd(4, b + 64, PANEL * 4);
-        _tile_dpbf16ps(2, 3, 4);
+        AMX_STEP(3, panel + k * PANEL); /* k / 2 pair rows of PANEL x 2 values */
+        if (k + AMX_K < k_len) {
+            _tile_loadd(4, a + k + AMX_K, lda * 2);
+            AMX_STEP(4, panel + (k + AMX_K) * PANEL);
+        }
     }
     _tile_stored(0, c, PANEL * 4);
     _tile_stored(1, c + 16, PANEL * 4);
     _tile_stored(2, c + 32, PANEL * 4);
+}
+
+/* c[32][PANEL] = the 32 rows at a (a1: the second 16) . panel: tiles 0-5 hold the six 16 x 16
+ * sums, 6 an A tile and 7 a B tile. Each step loads its two A and three B tiles once from
+ * wherever they are (an A tile twice, the second time from L1): 5 KB per 6 products where
+ * amx_block moves 4 KB per 3. Every sum is the same chain as amx_block's. */
+static void amx_block2(const uint16_t *a, const uint16_t *a1, int64_t lda, int64_t k_len,
+                       const uint16_t *panel, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t k = 0; k < k_len; k += AMX_K) {
+        const uint16_t *b = panel + k * PANEL;
+        _tile_loadd(6, a + k, lda * 2);
+        _tile_loadd(7, b, PANEL * 4);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(6, a1 + k, lda * 2);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(7, b + 32, PANEL * 4);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, a + k, lda * 2);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, b + 64, PANEL * 4);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(6, a1 + k, lda * 2);
+        _tile_dpbf16ps(5, 6, 7);
+    }
+    float *c1 = c + AMX_ROWS * PANEL;
+    _tile_stored(0, c, PANEL * 4);
+    _tile_stored(1, c + 16, PANEL * 4);
+    _tile_stored(2, c + 32, PANEL * 4);
+    _tile_stored(3, c1, PANEL * 4);
+    _tile_stored(4, c1 + 16, PANEL * 4);
+    _tile_stored(5, c1 + 32, PANEL * 4);
+}
+
+/* The first `rows` rows and `cols` columns of a block's sums, rounded to bf16. */
+static void amx_store(const float *c, int64_t rows, int64_t cols, uint16_t *out, int64_t ldo) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j += 16) {
+            __m256i v = vf32_to_bf16(_mm512_loadu_ps(c + i * PANEL + j));
+            __mmask16 keep = cols - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - j)) - 1);
+            _mm256_mask_storeu_epi16(out + i * ldo + j, keep, v);
+        }
 }
 
 /* Zero rows to pad a last partial block: one buffer per calling thread, grown as
@@ -272,6 +329,21 @@ static uint16_t *padded_rows(const uint16_t *x, int64_t rows, int64_t k_len) {
     return pad_rows;
 }
 
+/* Work items are (a run of AMX_CHUNK_ROWS rows, a group of panels): the group's panels
+ * (about AMX_GROUP_BYTES) stay in L2 while each 16-row block of the run goes across them,
+ * so a row's A tiles are read once per group and the output is written a block of
+ * rows at a time. Groups shrink where there would be fewer than four items a thread.
+ * Which item a block falls in never changes its sums. */
+#define AMX_CHUNK_ROWS 256
+#define AMX_GROUP_BYTES (256 * 1024)
+
+static int64_t amx_group(int64_t panels, int64_t chunks, int64_t k_len, int threads) {
+    int64_t group = AMX_GROUP_BYTES / (k_len * PANEL * 2);
+    int64_t spread = panels * chunks / (4 * (int64_t)threads);
+    if (group > spread) group = spread;
+    return group < 1 ? 1 : group;
+}
+
 /* The AMX form of baton_gemm_bf16. */
 static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
                     int64_t n, uint16_t *out, int64_t ldo, int threads) {
@@ -279,18 +351,33 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
     int64_t full = m / AMX_ROWS * AMX_ROWS;
     const uint16_t *rest = NULL;
     if (m > full && (rest = padded_rows(x + full * k_len, m - full, k_len)) == NULL) return 2;
+    int64_t chunks = (m + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+    int64_t group = amx_group(panels, chunks, k_len, threads);
+    int64_t groups = (panels + group - 1) / group;
     _Pragma("omp parallel num_threads(threads)") {
-        float c[AMX_ROWS * PANEL];
+        float c[2 * AMX_ROWS * PANEL];
         amx_configure();
-        _Pragma("omp for schedule(dynamic, 1)") for (int64_t p = 0; p < panels; p++) {
-            const uint16_t *panel = packed + p * k_len * PANEL;
-            int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-            for (int64_t r = 0; r < m; r += AMX_ROWS) {
-                int64_t rows = m - r < AMX_ROWS ? m - r : AMX_ROWS;
-                amx_block(r < full ? x + r * k_len : rest, k_len, k_len, panel, c);
-                for (int64_t i = 0; i < rows; i++)
-                    for (int64_t j = 0; j < cols; j++)
-                        out[(r + i) * ldo + p * PANEL + j] = f32_to_bf16(c[i * PANEL + j]);
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < chunks * groups;
+                                                     item++) {
+            int64_t first = item % groups * group, last = first + group;
+            int64_t r_end = (item / groups + 1) * AMX_CHUNK_ROWS;
+            if (last > panels) last = panels;
+            if (r_end > m) r_end = m;
+            for (int64_t r = item / groups * AMX_CHUNK_ROWS; r < r_end;) {
+                /* two blocks at once where both exist, the second maybe padded */
+                int64_t rows = r_end - r < 2 * AMX_ROWS ? r_end - r : 2 * AMX_ROWS;
+                const uint16_t *a = r < full ? x + r * k_len : rest;
+                const uint16_t *a1 = r + AMX_ROWS < full ? a + AMX_ROWS * k_len : rest;
+                for (int64_t p = first; p < last; p++) {
+                    int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+                    const uint16_t *panel = packed + p * k_len * PANEL;
+                    if (rows > AMX_ROWS)
+                        amx_block2(a, a1, k_len, k_len, panel, c);
+                    else
+                        amx_block(a, k_len, k_len, panel, c);
+                    amx_store(c, rows, cols, out + r * ldo + p * PANEL, ldo);
+                }
+                r += rows;
             }
         }
         _tile_release();
