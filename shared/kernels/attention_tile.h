@@ -30,6 +30,11 @@
  * computes for that token, however the prompt is cut into chunks, and on any
  * thread count.
  *
+ * On AMX hosts (head_dim a multiple of 64) the scores and the values are AMX
+ * tile products instead (attention_amx.h), decode's and prefill's alike, keys in
+ * groups of 32 from an aligned start: a different rounding from vdpbf16ps's, so
+ * the choice depends on the machine and head_dim only, and the same promise holds.
+ *
  * Included by paged_decode.c after its AVX-512 helpers. */
 #ifndef BATON_ATTENTION_TILE_H
 #define BATON_ATTENTION_TILE_H
@@ -52,16 +57,18 @@ INLINE int tile_supports(int64_t d, int64_t block_size) {
 
 INLINE int64_t keys_padded(int64_t len) { return (len + 15) / 16 * 16; }
 
-/* Windowed rows start their keys at a multiple of this (16 keys a vector, whole
- * blocks), so a key falls in the same lane and pair wherever a tile starts. */
-INLINE int64_t tile_align(int64_t block_size) {
-    int64_t a = 16, b = block_size;
+/* Windowed rows start their keys at a multiple of this (16 keys a vector, 32 an AMX
+ * tile product, whole blocks), so a key falls in the same lane and pair wherever a
+ * tile starts. */
+INLINE int64_t tile_align(int64_t block_size, int amx) {
+    const int64_t unit = amx ? 32 : 16;
+    int64_t a = unit, b = block_size;
     while (b) {
         int64_t r = a % b;
         a = b;
         b = r;
     }
-    return 16 / a * block_size;
+    return unit / a * block_size;
 }
 
 /* Lanes of the 16 keys from t on that are at or after `first`. */
@@ -75,9 +82,11 @@ INLINE __mmask16 keys_from(int64_t t, int64_t first) {
 INLINE int64_t tile_tokens(int64_t group) { return group >= TILE_ROWS ? 1 : TILE_ROWS / group; }
 
 /* Floats of per-thread scratch for `rows` rows over `len` keys: scores, then
- * bf16 probabilities (a row's width plus one key pair). */
+ * bf16 probabilities (a row's width plus one key pair), then the query pairs; as
+ * much as the AMX form needs (rows in 16s, probabilities in 32 keys). */
 INLINE int64_t rows_scratch_floats(int64_t rows, int64_t len, int64_t d) {
-    return rows * keys_padded(len) + rows * (keys_padded(len) + 2) / 2 + rows * d / 2;
+    int64_t r = (rows + 15) / 16 * 16, keys = (len + 31) / 32 * 32;
+    return r * keys + r * (keys + 2) / 2 + r * d / 2;
 }
 
 /* Row length (in pairs) of one KV head's transposed keys: 16 more than the
@@ -92,7 +101,7 @@ INLINE int64_t keys_scratch_floats(int64_t d, int64_t len) { return (d / 2) * ke
  * keys), kept for its next call: a fresh allocation of this size is mapped
  * anew each time, and decode would pay its page faults on every layer of
  * every step. Freed when the thread ends; NULL when memory is short. */
-enum { ROWS_SLOT, KEYS_SLOT, SLOTS };
+enum { ROWS_SLOT, KEYS_SLOT, VALUES_SLOT, SLOTS };
 typedef struct {
     float *buf[SLOTS];
     int64_t cap[SLOTS];
@@ -377,6 +386,8 @@ INLINE void scores_rows(const int32_t *q, int64_t nr, const int32_t *kt, int64_t
     }
 }
 
+#include "attention_amx.h" /* the AMX forms of the scores and values */
+
 /* A tile: `ntok` tokens (q rows q_tok_stride apart) times `group` query heads
  * (d apart); token tt's rows attend to keys 0 .. len0 + tt - 1, read through
  * kt (transposed keys, rows `width` pairs long) or, where kt is NULL (decode),
@@ -384,18 +395,30 @@ INLINE void scores_rows(const int32_t *q, int64_t nr, const int32_t *kt, int64_t
  * table. */
 INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int64_t group,
                       const int32_t *kt, int64_t width, const uint16_t *k, const uint16_t *v,
-                      uint16_t *out, const int64_t *table, int64_t len0, int64_t window,
+                      const uint16_t *vt, uint16_t *out, const int64_t *table, int64_t len0, int64_t window,
                       int64_t block_size, int64_t block_stride, int64_t tok_stride,
-                      const int64_t d, float scale, float *scratch) {
+                      const int64_t d, float scale, float *scratch, int amx) {
     const int64_t rows = ntok * group, len = len0 + ntok - 1, pad = keys_padded(len);
-    float *s = scratch;                               /* [rows][pad] scores */
-    uint16_t *p = (uint16_t *)(s + rows * pad);       /* [rows][pad + 2] probabilities */
-    const int64_t p_stride = pad + 2;
-    int32_t *qs = (int32_t *)(p + rows * p_stride);   /* [rows][d / 2] query pairs */
+    const int64_t held = rows_padded(rows, amx), p_pad = probs_padded(len, amx);
+    float *s = scratch;                               /* [held][pad] scores */
+    uint16_t *p = (uint16_t *)(s + held * pad);       /* [held][p_pad + 2] probabilities */
+    const int64_t p_stride = p_pad + 2;
+    int32_t *qs = (int32_t *)(p + held * p_stride);   /* [held][d / 2] query pairs */
     for (int64_t r = 0; r < rows; r++) {
         const bf16_pair *qr = (const bf16_pair *)(q + (r / group) * q_tok_stride + (r % group) * d);
         for (int64_t j = 0; j < d / 2; j++) qs[r * (d / 2) + j] = qr[j];
     }
+    memset(qs + rows * (d / 2), 0, sizeof(int32_t) * (size_t)((held - rows) * (d / 2)));
+#if defined(HAVE_AMX)
+    if (amx) {
+        tile_body_amx(qs, rows, group, kt, width, k, v, vt, out, q_tok_stride, table, len0, len,
+                      window, block_size, block_stride, tok_stride, d, scale, s, pad, p,
+                      p_stride);
+        return;
+    }
+#else
+    (void)vt;
+#endif
     if (kt != NULL) {
         for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
             int64_t nr = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
@@ -457,14 +480,16 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
 __attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok_stride,
                                                 int64_t ntok, int64_t group, const int32_t *kt,
                                                 int64_t width, const uint16_t *k,
-                                                const uint16_t *v, uint16_t *out,
+                                                const uint16_t *v, const uint16_t *vt,
+                                                uint16_t *out,
                                                 const int64_t *table, int64_t len0,
                                                 int64_t window, int64_t block_size,
                                                 int64_t block_stride, int64_t tok_stride,
-                                                int64_t d, float scale, float *scratch) {
+                                                int64_t d, float scale, float *scratch,
+                                                int amx) {
 #define BODY(D)                                                                             \
-    tile_body(q, q_tok_stride, ntok, group, kt, width, k, v, out, table, len0, window,       \
-              block_size, block_stride, tok_stride, D, scale, scratch)
+    tile_body(q, q_tok_stride, ntok, group, kt, width, k, v, vt, out, table, len0, window,   \
+              block_size, block_stride, tok_stride, D, scale, scratch, amx)
     if (d == 64) BODY(64);
     else if (d == 128) BODY(128);
     else BODY(d);

@@ -199,43 +199,15 @@ INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols) {
     for (int64_t j = 0; j < cols; j++) out[j] = f32_to_bf16(row[j]);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"
+#if defined(HAVE_AMX)
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define AMX_ROWS 16 /* rows per block: one A tile */
-#define AMX_K 32    /* bf16 per A tile row (64 bytes) */
-#define HAVE_AMX 1
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux lends AMX state to a process that asks (once; it holds for every thread). */
-static int amx_permitted(void) {
-    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                    18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* Tiles 0-2: a block's 16 x 48 fp32 sums; 3 and 4: its rows' 32 k values, for even and
- * odd k steps; 5-7: the panel's three B tiles. Distinct source tiles let a load start
- * while the previous step's products still read the other tiles. */
-static void amx_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = AMX_ROWS;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* One k step: tiles 0-2 += the a tile `at` (already loaded) . the panel's pair rows at b. */
+/* Tiles 0-2 hold a block's 16 x 48 fp32 sums; 3 and 4 its rows' 32 k values, for
+ * even and odd k steps; 5-7 the panel's three B tiles. Distinct source tiles let a
+ * load start while the previous step's products still read the other tiles.
+ *
+ * One k step: tiles 0-2 += the a tile `at` (already loaded) . the panel's pair rows at b. */
 #define AMX_STEP(at, b)                 \
     do {                                \
         _tile_loadd(5, (b), PANEL * 4); \

@@ -24,7 +24,8 @@
  * On AVX512-BF16 hosts, bf16 runs attention_tile.h instead, for decode and
  * prefill alike: bf16 dot products for scores and values, prefill rows in
  * tiles that share every K/V load (2x the prefill speed of the per-token
- * task), with the same promise of bitwise prefill = decode rows.
+ * task), with the same promise of bitwise prefill = decode rows; on AMX hosts
+ * its scores and values are tile products (attention_amx.h), 3x faster again.
  *
  * Built on first use by shared/kernels/build.py, called through ctypes.
  */
@@ -367,7 +368,8 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
     if (!tile_supports(d, block_size))
         return decode_bf16_untiled(q, k, v, out, tables, lens, batch, width, heads, kv_heads, d,
                                    block_size, block_stride, scale, window, threads);
-    int64_t align = tile_align(block_size);
+    int amx = attention_amx(d);
+    int64_t align = tile_align(block_size, amx);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, most = width * block_size;
     int64_t per_thread = rows_scratch_floats(group, most, d);
     int failed = 0;
@@ -375,16 +377,18 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
     {
         float *scratch = thread_scratch(ROWS_SLOT, per_thread);
         failed = scratch == NULL;
+        tiles_begin(amx);
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t b = 0; b < batch; b++)
             for (int64_t h = 0; h < kv_heads; h++) {
                 if (scratch == NULL || lens[b] <= 0) continue;
                 int64_t off = (b * heads + h * group) * d;
                 int64_t ks = window_start(lens[b], window) / align * align;
-                tile_bf16(q + off, heads * d, 1, group, NULL, 0, k + h * d, v + h * d,
+                tile_bf16(q + off, heads * d, 1, group, NULL, 0, k + h * d, v + h * d, NULL,
                           out + off, tables + b * width + ks / block_size, lens[b] - ks,
-                          window, block_size, block_stride, tok_stride, d, scale, scratch);
+                          window, block_size, block_stride, tok_stride, d, scale, scratch, amx);
             }
+        tiles_end(amx);
     }
     return failed ? 2 : 0;
 }
@@ -444,7 +448,8 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
     if (!tile_supports(d, block_size))
         return prefill_bf16_untiled(q, k, v, out, table, n, context_len, heads, kv_heads, d,
                                     block_size, block_stride, scale, window, threads);
-    int64_t align = tile_align(block_size);
+    int amx = attention_amx(d);
+    int64_t align = tile_align(block_size, amx);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, prefix = context_len - n;
     int64_t per = tile_tokens(group), tiles = (n + per - 1) / per;
     int64_t pad = keys_padded(context_len), kw = keys_width(context_len);
@@ -452,6 +457,11 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
     /* the caller's thread keeps the keys' buffer; the team's threads their own */
     int32_t *kt = (int32_t *)thread_scratch(KEYS_SLOT, kv_heads * head_keys);
     if (kt == NULL) return 2;
+    /* AMX: V's key pairs too, once per KV head, zero before every row's window */
+    int64_t pairs = (context_len + 31) / 32 * 16, head_vals = pairs * 2 * d;
+    uint16_t *vt = NULL;
+    if (amx && (vt = (uint16_t *)thread_scratch(VALUES_SLOT, kv_heads * head_vals / 2)) == NULL)
+        return 2;
     int64_t per_thread = rows_scratch_floats(per * group, context_len, d);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|: failed)
@@ -462,8 +472,20 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
                 transpose_keys(k + h * d, table, context_len, block_size, block_stride,
                                tok_stride, d, kt + h * head_keys, kw, c,
                                c + 256 < pad ? c + 256 : pad, c);
+#if defined(HAVE_AMX)
+        int64_t skip = window_start(prefix + 1, window); /* before every row's window */
+        if (vt != NULL) {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t kk = 0; kk < pairs; kk += 128)
+                    value_pairs(v + h * d, table, skip, context_len, block_size, block_stride,
+                                tok_stride, d, kk, pairs - kk < 128 ? pairs - kk : 128,
+                                vt + h * head_vals + kk * 2 * d);
+        }
+#endif
         float *scratch = thread_scratch(ROWS_SLOT, per_thread);
         failed = scratch == NULL;
+        tiles_begin(amx);
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t i = tiles - 1; i >= 0; i--) /* longest first */
             for (int64_t h = 0; h < kv_heads; h++) {
@@ -473,10 +495,12 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
                 /* keys from the first row's window on, at decode's aligned start */
                 int64_t ks = window_start(prefix + t0 + 1, window) / align * align;
                 tile_bf16(q + off, heads * d, nt, group, kt + h * head_keys + ks, kw,
-                          k + h * d, v + h * d, out + off, table + ks / block_size,
+                          k + h * d, v + h * d, vt != NULL ? vt + h * head_vals + ks * d : NULL,
+                          out + off, table + ks / block_size,
                           prefix + t0 + 1 - ks, window, block_size, block_stride, tok_stride,
-                          d, scale, scratch);
+                          d, scale, scratch, amx);
             }
+        tiles_end(amx);
     }
     return failed ? 2 : 0;
 }
