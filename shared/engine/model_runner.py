@@ -130,7 +130,8 @@ def _check_written_parts(step: SchedulerOutput, block_size: int, pool: KVCache) 
 
 def _translated(meta: AttentionMetadata, part_of: torch.Tensor) -> AttentionMetadata:
     """``meta`` with every block's slot replaced by ``part_of[slot]`` (one sliding
-    group's slot of its window part; 0 for blocks without one, which no row reads)."""
+    group's slot of its window part; 0 for blocks without one, whose keys no row weighs:
+    the attention kernels may read them, as keys of probability +0, or as zeros)."""
     return AttentionMetadata(
         slot_blocks=part_of[meta.slot_blocks],
         slot_offsets=meta.slot_offsets,

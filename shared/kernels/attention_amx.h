@@ -67,12 +67,13 @@ static void scores_amx(const uint16_t *q, int64_t rows, const int32_t *kt, int64
     }
 }
 
-/* V's key pairs as tiles: for key pairs [kk0, kk0 + 16) (keys 2 kk0 on), vt[kk][tile]
+/* V's key pairs as tiles: for key pairs [kk0, kk0 + pairs) (keys 2 kk0 on), vt[kk][tile]
  * [32 bf16] with d / 16 tiles a pair, tile 2j + h holding unpack-h (lo, hi) of the
- * two keys' dims [32 j, 32 j + 32); a key at or past end, or before skip, as zero. */
+ * two keys' dims [32 j, 32 j + 32), for the dims [c_lo, c_hi) only (multiples of
+ * 32); a key at or past end, or before skip, as zero. */
 INLINE void value_pairs(const uint16_t *v, const int64_t *table, int64_t skip, int64_t end,
                         int64_t block_size, int64_t block_stride, int64_t tok_stride, int64_t d,
-                        int64_t kk0, int64_t pairs, uint16_t *vt) {
+                        int64_t c_lo, int64_t c_hi, int64_t kk0, int64_t pairs, uint16_t *vt) {
     for (int64_t kk = kk0; kk < kk0 + pairs; kk++) {
         int64_t t = 2 * kk;
         const uint16_t *ra = t >= skip && t < end
@@ -83,7 +84,7 @@ INLINE void value_pairs(const uint16_t *v, const int64_t *table, int64_t skip, i
                                        ((t + 1) % block_size) * tok_stride
                                  : NULL;
         uint16_t *row = vt + (kk - kk0) * 2 * d;
-        for (int64_t j = 0; j < d / 32; j++) {
+        for (int64_t j = c_lo / 32; j < c_hi / 32; j++) {
             __m512i a = ra ? _mm512_loadu_si512(ra + 32 * j) : _mm512_setzero_si512();
             __m512i b = rb ? _mm512_loadu_si512(rb + 32 * j) : _mm512_setzero_si512();
             _mm512_storeu_si512(row + 64 * j, _mm512_unpacklo_epi16(a, b));
@@ -95,10 +96,11 @@ INLINE void value_pairs(const uint16_t *v, const int64_t *table, int64_t skip, i
 /* out_i = inv[i] * sum over keys t < end of p_i[t] v_t, rounded to bf16 once, for
  * the nr rows of one 16-row block (p rows p_stride apart, +0 from each row's end up
  * to end rounded up to 32; rows past nr are read, never written). Keys in groups of
- * 32: V's key-pair tiles from vt (value_pairs of every key, prefill's, made once per
- * call) or, where vt is NULL (decode), made here 32 keys at a time, a key at or past
- * end or before `skip` (where every row's window starts after it: its block may be
- * gone) as zero; a key the block's rows give +0 adds nothing either way. The
+ * 32: V's key-pair tiles from vt (prefill's value_pairs of the call's keys, made once
+ * per call, zero before its first row's window) or, where vt is NULL (decode), made
+ * here 32 keys and 64 dims at a time, a key at or past end or before `skip` (where
+ * every row's window starts after it: its block may be gone) as zero; a key the
+ * block's rows give +0 adds nothing either way. The
  * 16 output dims of a tile are those of one unpack of two V rows, as values_pass's
  * accumulators, restored to order at the end. d a multiple of 64. */
 static void values_amx(const uint16_t *p, int64_t p_stride, int64_t nr, const uint16_t *v,
@@ -118,8 +120,8 @@ static void values_amx(const uint16_t *p, int64_t p_stride, int64_t nr, const ui
             if (vt != NULL) {
                 b = vt + g * d + c0 * 2;
             } else {
-                value_pairs(v, table, skip, end, block_size, block_stride, tok_stride, d, g / 2,
-                            16, vb);
+                value_pairs(v, table, skip, end, block_size, block_stride, tok_stride, d, c0,
+                            c0 + 64, g / 2, 16, vb);
                 b = vb + c0 * 2;
             }
             _tile_loadd(4, p + g, p_stride * 2);

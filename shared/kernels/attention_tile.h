@@ -97,8 +97,8 @@ INLINE int64_t keys_width(int64_t len) { return keys_padded(len) + 16; }
 /* Floats of one KV head's transposed keys. */
 INLINE int64_t keys_scratch_floats(int64_t d, int64_t len) { return (d / 2) * keys_width(len); }
 
-/* This thread's scratch of at least n floats in one of two slots (rows,
- * keys), kept for its next call: a fresh allocation of this size is mapped
+/* This thread's scratch of at least n floats in one of its slots (rows, keys,
+ * values), kept for its next call: a fresh allocation of this size is mapped
  * anew each time, and decode would pay its page faults on every layer of
  * every step. Freed when the thread ends; NULL when memory is short. */
 enum { ROWS_SLOT, KEYS_SLOT, VALUES_SLOT, SLOTS };

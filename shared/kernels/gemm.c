@@ -203,9 +203,10 @@ INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols) {
 #if defined(HAVE_AMX)
 #include <stdlib.h>
 
-/* Tiles 0-2 hold a block's 16 x 48 fp32 sums; 3 and 4 its rows' 32 k values, for
- * even and odd k steps; 5-7 the panel's three B tiles. Distinct source tiles let a
- * load start while the previous step's products still read the other tiles.
+/* amx_block's tiles: 0-2 hold a block's 16 x 48 fp32 sums; 3 and 4 its rows' 32 k
+ * values, for even and odd k steps; 5-7 the panel's three B tiles. Distinct source
+ * tiles let a load start while the previous step's products still read the other
+ * tiles. (amx_block2's are below it.)
  *
  * One k step: tiles 0-2 += the a tile `at` (already loaded) . the panel's pair rows at b. */
 #define AMX_STEP(at, b)                 \
@@ -302,7 +303,7 @@ static uint16_t *padded_rows(const uint16_t *x, int64_t rows, int64_t k_len) {
 }
 
 /* Work items are (a run of AMX_CHUNK_ROWS rows, a group of panels): the group's panels
- * (about AMX_GROUP_BYTES) stay in L2 while each 16-row block of the run goes across them,
+ * (about AMX_GROUP_BYTES) stay in L2 while each 32-row block of the run goes across them,
  * so a row's A tiles are read once per group and the output is written a block of
  * rows at a time. Groups shrink where there would be fewer than four items a thread.
  * Which item a block falls in never changes its sums. */
@@ -311,7 +312,7 @@ static uint16_t *padded_rows(const uint16_t *x, int64_t rows, int64_t k_len) {
 
 static int64_t amx_group(int64_t panels, int64_t chunks, int64_t k_len, int threads) {
     int64_t group = AMX_GROUP_BYTES / (k_len * PANEL * 2);
-    int64_t spread = panels * chunks / (4 * (int64_t)threads);
+    int64_t spread = panels * chunks / (4 * (int64_t)(threads > 1 ? threads : 1));
     if (group > spread) group = spread;
     return group < 1 ? 1 : group;
 }

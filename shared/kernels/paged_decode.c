@@ -24,8 +24,9 @@
  * On AVX512-BF16 hosts, bf16 runs attention_tile.h instead, for decode and
  * prefill alike: bf16 dot products for scores and values, prefill rows in
  * tiles that share every K/V load (2x the prefill speed of the per-token
- * task), with the same promise of bitwise prefill = decode rows; on AMX hosts
- * its scores and values are tile products (attention_amx.h), 3x faster again.
+ * task), with the same promise of bitwise prefill = decode rows; on AMX hosts,
+ * for head_dim a multiple of 64, its scores and values are tile products
+ * (attention_amx.h), 3x faster again.
  *
  * Built on first use by shared/kernels/build.py, called through ctypes.
  */
@@ -457,7 +458,8 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
     /* the caller's thread keeps the keys' buffer; the team's threads their own */
     int32_t *kt = (int32_t *)thread_scratch(KEYS_SLOT, kv_heads * head_keys);
     if (kt == NULL) return 2;
-    /* AMX: V's key pairs too, once per KV head, zero before every row's window */
+    /* AMX: V's key pairs too, once per KV head, zero before every row's window (as
+     * large as the keys' buffer; both stay with the calling thread for its next call) */
     int64_t pairs = (context_len + 31) / 32 * 16, head_vals = pairs * 2 * d;
     uint16_t *vt = NULL;
     if (amx && (vt = (uint16_t *)thread_scratch(VALUES_SLOT, kv_heads * head_vals / 2)) == NULL)
@@ -479,7 +481,7 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
             for (int64_t h = 0; h < kv_heads; h++)
                 for (int64_t kk = 0; kk < pairs; kk += 128)
                     value_pairs(v + h * d, table, skip, context_len, block_size, block_stride,
-                                tok_stride, d, kk, pairs - kk < 128 ? pairs - kk : 128,
+                                tok_stride, d, 0, d, kk, pairs - kk < 128 ? pairs - kk : 128,
                                 vt + h * head_vals + kk * 2 * d);
         }
 #endif
