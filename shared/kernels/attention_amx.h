@@ -17,6 +17,20 @@
  * rows beside it, and keys past a row's end add products of +0. */
 INLINE int attention_amx(int64_t d) { return d % 64 == 0 && amx_permitted(); }
 
+/* Tiles 0-3 += A tile 4 . the four B tiles at b, b + step, b + 2 step, b + 3 step
+ * (elements), rows `stride` bytes apart. */
+#define AMX_FOUR_PRODUCTS(b, step, stride)         \
+    do {                                           \
+        _tile_loadd(5, (b), (stride));             \
+        _tile_dpbf16ps(0, 4, 5);                   \
+        _tile_loadd(6, (b) + (step), (stride));    \
+        _tile_dpbf16ps(1, 4, 6);                   \
+        _tile_loadd(7, (b) + 2 * (step), (stride)); \
+        _tile_dpbf16ps(2, 4, 7);                   \
+        _tile_loadd(5, (b) + 3 * (step), (stride)); \
+        _tile_dpbf16ps(3, 4, 5);                   \
+    } while (0)
+
 /* s[i][t] = scale * (q_i . k_t) for rows [0, rows) in 16-row blocks (q: rows
  * rounded up to 16 of d bf16, the extra ones zero; s as many rows) and keys [0,
  * nkeys), a multiple of 16, from kt (rows `width` pairs long). */
@@ -36,14 +50,7 @@ static void scores_amx(const uint16_t *q, int64_t rows, const int32_t *kt, int64
             for (int64_t j = 0; j < d / AMX_K; j++) {
                 const int32_t *b = kt + 16 * j * width + t;
                 _tile_loadd(4, qa + AMX_K * j, d * 2);
-                _tile_loadd(5, b, kstride);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, b + 16, kstride);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, b + 32, kstride);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, b + 48, kstride);
-                _tile_dpbf16ps(3, 4, 5);
+                AMX_FOUR_PRODUCTS(b, 16, kstride);
             }
             _tile_stored(0, sr + t, sstride);
             _tile_stored(1, sr + t + 16, sstride);
@@ -125,14 +132,7 @@ static void values_amx(const uint16_t *p, int64_t p_stride, int64_t nr, const ui
                 b = vb + c0 * 2;
             }
             _tile_loadd(4, p + g, p_stride * 2);
-            _tile_loadd(5, b, vstride);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, b + 32, vstride);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, b + 64, vstride);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, b + 96, vstride);
-            _tile_dpbf16ps(3, 4, 5);
+            AMX_FOUR_PRODUCTS(b, 32, vstride);
         }
         _tile_stored(0, c, 256);
         _tile_stored(1, c + 16, 256);
