@@ -16,7 +16,12 @@ from shared.model import families, gemma3, llama
 from shared.model.arch import ModelArch
 from shared.model.decoder import DecoderModel, ModelWeights
 from shared.model.linear import Linear, select_linear
-from shared.model.packed_file import load_or_pack, packed_path, release_freed_memory
+from shared.model.packed_file import (
+    load_or_pack,
+    packed_path,
+    packing_code,
+    release_freed_memory,
+)
 from shared.model.pointwise import select_pointwise
 from shared.model.registry import ResolvedModel, resolve
 from shared.model.tokenizer import Tokenizer
@@ -94,8 +99,16 @@ def load_resolved(
 
     tag = gemm.cache_tag()
     if packed_dir is not None and tag is not None and device == "cpu":
+        code = packing_code(pack_weights, type(gemm), DecoderModel, load_state_dict)
         path = packed_path(
-            packed_dir, resolved.name, resolved.identity, resolved.folder, dtype, gemm.name, tag
+            packed_dir,
+            resolved.name,
+            resolved.identity,
+            resolved.folder,
+            dtype,
+            gemm.name,
+            tag,
+            code,
         )
         weights = load_or_pack(path, pack)
     else:

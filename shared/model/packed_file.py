@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import mmap
@@ -44,14 +45,31 @@ ALIGN = 4096
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
+def packing_code(*parts: Callable[..., Any]) -> str:
+    """A digest of the source files that define ``parts`` (the packing function, the
+    backend's class): an edit to how weights are packed names another file, so a
+    checkout never maps weights another checkout packed differently."""
+    h = hashlib.sha256()
+    for path in sorted({inspect.getsourcefile(p) or "" for p in parts}):
+        h.update(Path(path).read_bytes() if path else b"")
+    return h.hexdigest()[:16]
+
+
 def packed_path(
-    packed_dir: Path, name: str, identity: str, folder: Path, dtype: str, backend: str, tag: str
+    packed_dir: Path,
+    name: str,
+    identity: str,
+    folder: Path,
+    dtype: str,
+    backend: str,
+    tag: str,
+    code: str,
 ) -> Path:
     """Where the weights of the model in ``folder``, packed in ``dtype`` by ``backend``
-    (its layout named by ``tag``), are kept. Any change to the weight files or the
-    layout gives another path; the name starts with what :func:`load_or_pack` uses
-    to remove the files it replaces."""
-    h = hashlib.sha256(json.dumps([FORMAT_VERSION, identity, dtype, tag]).encode())
+    (its layout named by ``tag``, by the code :func:`packing_code` digests), are kept.
+    Any change to the weight files, the layout or that code gives another path; the
+    name starts with what :func:`load_or_pack` uses to remove the files it replaces."""
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, identity, dtype, tag, code]).encode())
     for f in sorted(folder.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from shared.config import EngineConfig
 from shared.model.loader import LoadedModel, load_resolved
+from shared.model.packed_file import packed_path, packing_code
 from shared.model.registry import ResolvedModel, resolve
 from tests.shared.model.forward import prefill_logits
 from tests.shared.model.tiny_gguf import hf_weights, write_tiny_gguf
@@ -104,3 +105,22 @@ def test_a_new_packing_replaces_the_old_file(tiny: ResolvedModel, tmp_path: Path
     load(tiny, "float32", packed)
     assert file.exists() and not stale.exists()
     assert other_dtype.exists()
+
+
+def test_an_edit_to_the_packing_code_names_another_file(tmp_path: Path) -> None:
+    """Weights packed by other code (another checkout, an edited packer) are never mapped."""
+
+    def packer_a() -> None: ...
+
+    source = tmp_path / "packer_b.py"
+    source.write_text("def packer_b():\n    return None\n")
+    namespace: dict[str, object] = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)  # a module on disk
+    packer_b = namespace["packer_b"]
+    assert callable(packer_b)
+    before = packing_code(packer_a, packer_b)
+    assert packing_code(packer_a, packer_b) == before
+    source.write_text("def packer_b():\n    return 1\n")
+    assert packing_code(packer_a, packer_b) != before
+    args = (tmp_path, "m", "m@x", tmp_path, "float32", "native", "native-abc")
+    assert packed_path(*args, before) != packed_path(*args, packing_code(packer_a, packer_b))
