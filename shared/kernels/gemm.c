@@ -203,6 +203,33 @@ INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols) {
 #if defined(HAVE_AMX)
 #include <stdlib.h>
 
+/* A finished block's sums waiting to be rounded to bf16 and written out. The next
+ * block's k loop does it a few rows per step, on the vector units that the tile
+ * products leave idle, instead of after the products where nothing overlaps it. */
+typedef struct {
+    const float *c; /* the sums, PANEL floats a row */
+    uint16_t *out;
+    int64_t ldo, rows, cols, done; /* rows [done, rows) are still to write */
+} Pending;
+
+INLINE void pending_rows(Pending *w, int64_t count) {
+    int64_t end = w->done + count < w->rows ? w->done + count : w->rows;
+    for (int64_t i = w->done; i < end; i++)
+        for (int64_t j = 0; j < w->cols; j += 16) {
+            __m256i v = vf32_to_bf16(_mm512_loadu_ps(w->c + i * PANEL + j));
+            __mmask16 keep =
+                w->cols - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (w->cols - j)) - 1);
+            _mm256_mask_storeu_epi16(w->out + i * w->ldo + j, keep, v);
+        }
+    w->done = end;
+}
+
+/* Rows a k loop of k_len writes per step so that `rows` are done by its end. */
+INLINE int64_t rows_per_step(int64_t rows, int64_t k_len) {
+    int64_t steps = k_len / AMX_K;
+    return (rows + steps - 1) / steps;
+}
+
 /* amx_block's tiles: 0-2 hold a block's 16 x 48 fp32 sums; 3 and 4 its rows' 32 k
  * values, for even and odd k steps; 5-7 the panel's three B tiles. Distinct source
  * tiles let a load start while the previous step's products still read the other
@@ -221,16 +248,19 @@ INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols) {
 
 /* c[16][PANEL] = a[16][k_len] . panel, k in order (a's rows lda elements apart). */
 static void amx_block(const uint16_t *a, int64_t lda, int64_t k_len, const uint16_t *panel,
-                      float *c) {
+                      float *c, Pending *w) {
+    int64_t per_step = rows_per_step(w->rows, k_len);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     for (int64_t k = 0; k < k_len; k += 2 * AMX_K) {
         _tile_loadd(3, a + k, lda * 2);
         AMX_STEP(3, panel + k * PANEL); /* k / 2 pair rows of PANEL x 2 values */
+        pending_rows(w, per_step);
         if (k + AMX_K < k_len) {
             _tile_loadd(4, a + k + AMX_K, lda * 2);
             AMX_STEP(4, panel + (k + AMX_K) * PANEL);
+            pending_rows(w, per_step);
         }
     }
     _tile_stored(0, c, PANEL * 4);
@@ -243,7 +273,8 @@ static void amx_block(const uint16_t *a, int64_t lda, int64_t k_len, const uint1
  * wherever they are (an A tile twice, the second time from L1): 5 KB per 6 products where
  * amx_block moves 4 KB per 3. Every sum is the same chain as amx_block's. */
 static void amx_block2(const uint16_t *a, const uint16_t *a1, int64_t lda, int64_t k_len,
-                       const uint16_t *panel, float *c) {
+                       const uint16_t *panel, float *c, Pending *w) {
+    int64_t per_step = rows_per_step(w->rows, k_len);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -265,6 +296,7 @@ static void amx_block2(const uint16_t *a, const uint16_t *a1, int64_t lda, int64
         _tile_dpbf16ps(2, 6, 7);
         _tile_loadd(6, a1 + k, lda * 2);
         _tile_dpbf16ps(5, 6, 7);
+        pending_rows(w, per_step);
     }
     float *c1 = c + AMX_ROWS * PANEL;
     _tile_stored(0, c, PANEL * 4);
@@ -273,16 +305,6 @@ static void amx_block2(const uint16_t *a, const uint16_t *a1, int64_t lda, int64
     _tile_stored(3, c1, PANEL * 4);
     _tile_stored(4, c1 + 16, PANEL * 4);
     _tile_stored(5, c1 + 32, PANEL * 4);
-}
-
-/* The first `rows` rows and `cols` columns of a block's sums, rounded to bf16. */
-static void amx_store(const float *c, int64_t rows, int64_t cols, uint16_t *out, int64_t ldo) {
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j += 16) {
-            __m256i v = vf32_to_bf16(_mm512_loadu_ps(c + i * PANEL + j));
-            __mmask16 keep = cols - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - j)) - 1);
-            _mm256_mask_storeu_epi16(out + i * ldo + j, keep, v);
-        }
 }
 
 /* Zero rows to pad a last partial block: one buffer per calling thread, grown as
@@ -328,7 +350,9 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
     int64_t group = amx_group(panels, chunks, k_len, threads);
     int64_t groups = (panels + group - 1) / group;
     _Pragma("omp parallel num_threads(threads)") {
-        float c[2 * AMX_ROWS * PANEL];
+        float c[2][2 * AMX_ROWS * PANEL]; /* a block's sums, and the previous block's */
+        int cur = 0;
+        Pending w = {.rows = 0, .done = 0};
         amx_configure();
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < chunks * groups;
                                                      item++) {
@@ -345,14 +369,17 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
                     int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
                     const uint16_t *panel = packed + p * k_len * PANEL;
                     if (rows > AMX_ROWS)
-                        amx_block2(a, a1, k_len, k_len, panel, c);
+                        amx_block2(a, a1, k_len, k_len, panel, c[cur], &w);
                     else
-                        amx_block(a, k_len, k_len, panel, c);
-                    amx_store(c, rows, cols, out + r * ldo + p * PANEL, ldo);
+                        amx_block(a, k_len, k_len, panel, c[cur], &w);
+                    pending_rows(&w, w.rows); /* whatever the loop left */
+                    w = (Pending){c[cur], out + r * ldo + p * PANEL, ldo, rows, cols, 0};
+                    cur ^= 1;
                 }
                 r += rows;
             }
         }
+        pending_rows(&w, w.rows);
         _tile_release();
     }
     if (rest != NULL) memset(pad_rows, 0, sizeof(uint16_t) * (size_t)((m - full) * k_len));
