@@ -90,12 +90,12 @@ class PrefixLocator:
             return PrefixHits(keys=ids)
         windows = {k: v for k, v in (windows or {}).items() if k in live}
         asked = list(ids[:usable])
-        if windows:
-            asked += [window_entry(i) for i in ids[:usable]]
+        if windows:  # the window entries of every block, held or not
+            holders = self.index.holders(asked + [window_entry(i) for i in asked])
+        else:  # a prefix ends at the first block nobody holds
+            holders = self.index.prefix_holders(asked)
         try:
-            rows, computing = await asyncio.gather(
-                self.index.holders(asked), self._computing(ids[:usable])
-            )
+            rows, computing = await asyncio.gather(holders, self._computing(ids[:usable]))
         except (RedisError, OSError) as exc:  # degraded: route without cache locality
             log.warning("prompt index unreachable; routing without it: %s", exc)
             return PrefixHits(keys=ids)

@@ -75,6 +75,19 @@ if redis.call('SCARD', KEYS[1]) == 0 then
 end
 return #keys
 """
+# ARGV: block key prefix, keys... The holders of each leading key, up to the first that
+# none holds (no prefix reaches past it): one round trip, and one key for a cold prompt.
+_PREFIX = """
+local rows = {}
+for i = 2, #ARGV do
+  local holders = redis.call('SMEMBERS', ARGV[1] .. ARGV[i])
+  if #holders == 0 then
+    break
+  end
+  rows[#rows + 1] = holders
+end
+return rows
+"""
 
 
 class BlockIndex:
@@ -85,6 +98,7 @@ class BlockIndex:
         self._add = redis.register_script(_ADD)
         self._remove = redis.register_script(_REMOVE)
         self._clear = redis.register_script(_CLEAR)
+        self._prefix = redis.register_script(_PREFIX)
 
     async def add(self, instance_id: str, ids: Sequence[str]) -> None:
         holds = self.keys.holds(instance_id)
@@ -133,11 +147,18 @@ class BlockIndex:
             rows = await pipe.execute()
         return [{m.decode() if isinstance(m, bytes) else m for m in row} for row in rows]
 
+    async def prefix_holders(self, ids: Sequence[str]) -> list[set[str]]:
+        """:meth:`holders` of the leading ``ids`` up to the first that no instance holds."""
+        if not ids:
+            return []
+        rows = await self._prefix(args=[self.keys.block(""), *ids])
+        return [{m.decode() if isinstance(m, bytes) else m for m in row} for row in rows]
+
     async def longest_prefix(self, ids: Sequence[str], live: set[str] | None = None) -> int:
         """How many leading ids some (live) instance holds (not necessarily one instance:
         a store client reads each block from whichever node holds it)."""
         hits = 0
-        for holders in await self.holders(ids):
+        for holders in await self.prefix_holders(ids):
             if live is not None:
                 holders &= live
             if not holders:

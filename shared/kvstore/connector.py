@@ -40,7 +40,7 @@ from shared.engine.kv_cache_manager import Slot, cdiv
 from shared.engine.kv_connector import NO_HIT, ConnectorEvents, ExternalHit, KVConnector
 from shared.engine.request import Request, RequestId
 from shared.engine.scheduler_output import SchedulerOutput
-from shared.errors import KVMissError, KVStoreError, TransportError
+from shared.errors import BatonError, KVMissError, KVStoreError, TransportError
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
 from shared.kvstore.client import KVStoreClient, LeaseSet
@@ -159,9 +159,12 @@ class KVStoreConnector(KVConnector):
         plan = StorePlan()
         bs = self.layout.block_size
         keys = [k.hex() for k in req.block_keys]
+        # the cached prefix's lease and the put are independent round trips: both at once
+        leasing: asyncio.Task[tuple[LeaseSet | None, list[str]]] | None = None
         if self.caching and self.pull.policy != "never":
             usable = keys[: (req.num_prompt_tokens - 1) // bs]
-            plan.lease, plan.load_ids = await self._lease_prefix(usable)
+            leasing = asyncio.ensure_future(self._lease_prefix(usable))
+            await asyncio.sleep(0)  # its lookup goes out first, as it did alone
         ids = keys if self.caching else [uuid.uuid4().hex for _ in keys]
         if req.num_prompt_tokens % bs:
             ids.append(uuid.uuid4().hex)  # the partial tail is request-scoped
@@ -173,8 +176,16 @@ class KVStoreConnector(KVConnector):
                 ttl_s=self.put_ttl_s,
             )
         except BaseException:
-            await release(plan.lease)
+            if leasing is not None:
+                await _drop_lease(leasing)
             raise
+        if leasing is not None:
+            try:
+                plan.lease, plan.load_ids = await leasing
+            except BaseException:
+                await asyncio.shield(put.revoke())
+                await _drop_lease(leasing)
+                raise
         needed = {i for _, wanted in put.targets.values() for i in wanted}
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         committed.add_done_callback(retrieve)  # a failure nobody awaits is not an error
@@ -484,3 +495,16 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((at, 1))
     return runs
+
+
+async def _drop_lease(leasing: asyncio.Task[tuple[LeaseSet | None, list[str]]]) -> None:
+    """Whatever lease ``leasing`` takes, released (its request will not load it)."""
+    leasing.cancel()
+    try:
+        lease, _ = await leasing
+    except asyncio.CancelledError:
+        return  # cancelled before it held one, or a held one expires with its TTL
+    except (BatonError, OSError) as exc:
+        log.info("looking up a cached prefix failed after its put did: %s", exc)
+        return
+    await release(lease)

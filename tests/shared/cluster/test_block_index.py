@@ -46,6 +46,23 @@ async def test_entries_follow_holdings_and_clear_per_instance(redis_server: Redi
         await redis.aclose()
 
 
+async def test_prefix_holders_end_at_the_first_block_nobody_holds(
+    redis_server: RedisProcess,
+) -> None:
+    redis, index = fresh(redis_server)
+    try:
+        await index.add("store-a", ["p1", "p2", "p4"])
+        await index.add("prefill-1", ["p1"])
+        ids = ["p1", "p2", "p3", "p4"]
+        assert await index.prefix_holders(ids) == (await index.holders(ids))[:2]
+        assert await index.prefix_holders(["p3", "p1"]) == []
+        assert await index.prefix_holders([]) == []
+        assert await index.longest_prefix(ids) == 2
+        assert await index.longest_prefix(ids, live={"prefill-1"}) == 1
+    finally:
+        await redis.aclose()
+
+
 async def test_publisher_mirrors_holdings_clears_on_start_and_withdraws(
     redis_server: RedisProcess,
 ) -> None:

@@ -97,6 +97,7 @@ class FakeKVStoreClient:
         self.gate = asyncio.Event()
         self.streamed: list[list[str]] = []  # the ids of every stream, in order
         self.streamed_bytes = 0  # the layer slices streams delivered
+        self.refuse_puts = False  # begin_put raises, as a store with no live node does
 
     # -- test controls -----------------------------------------------------------------
     def evict_keep_index(self, ids: Sequence[str]) -> None:
@@ -129,6 +130,8 @@ class FakeKVStoreClient:
     async def begin_put(
         self, ids: Sequence[str], sizes: Sequence[int], *, num_layers: int, ttl_s: float = 30.0
     ) -> PutHandle:
+        if self.refuse_puts:
+            raise KVUnavailableError("the fake store refuses puts")
         mine = []
         for block_id, size in zip(ids, sizes, strict=True):
             if block_id in self.node.blocks:

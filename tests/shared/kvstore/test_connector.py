@@ -20,6 +20,7 @@ from shared.engine.engine_loop import EngineLoop, next_output
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import CacheHit, Request, RequestId, SampledToken
 from shared.engine.sampling_params import SamplingParams
+from shared.errors import KVUnavailableError
 from shared.kvstore.connector import KVStoreConnector, StorePlan
 from shared.kvstore.connector_metrics import ConnectorMetrics
 from shared.kvstore.pull_cost import PullPolicy
@@ -296,6 +297,23 @@ async def test_local_blocks_are_not_loaded_again(make_engine: EngineFactory) -> 
         out = await p.prefill([*prompt, 42, 43], GREEDY, "b")
     assert out.cache_hit.external_tokens == 0 and out.cache_hit.local_tokens > 0
     assert store.streams == 0
+
+
+async def test_a_refused_put_releases_the_prefix_lease_taken_beside_it(
+    make_engine: EngineFactory,
+) -> None:
+    """The cached prefix's lease and the put go out together: a put the store refuses
+    leaves no lease behind (its request never loads it)."""
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    async with node(make_engine, store) as p:
+        await p.prefill(prompt, GREEDY, "warm")
+        assert not store.node.leases  # the warm prefill's lease ended with it
+        store.refuse_puts = True
+        req = p.engine.new_request([*prompt, 7, 8], _first_only(GREEDY), request_id="b")
+        with pytest.raises(KVUnavailableError):
+            await p.connector.plan_prefill(req)
+    assert not store.node.leases
 
 
 async def test_a_stale_index_entry_is_recomputed_with_the_same_token(
