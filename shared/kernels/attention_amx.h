@@ -31,12 +31,12 @@ INLINE int attention_amx(int64_t d) { return d % 64 == 0 && amx_permitted(); }
         _tile_dpbf16ps(3, 4, 5);                   \
     } while (0)
 
-/* s[i][t] = scale * (q_i . k_t) for rows [0, rows) in 16-row blocks (q: rows
- * rounded up to 16 of d bf16, the extra ones zero; s as many rows) and keys [0,
- * nkeys), a multiple of 16, from kt (rows `width` pairs long). */
+/* s[i][t] = q_i . k_t, unscaled (row_softmax scales them as it reads them: one pass
+ * over the scores less), for rows [0, rows) in 16-row blocks (q: rows rounded up to
+ * 16 of d bf16, the extra ones zero; s as many rows) and keys [0, nkeys), a multiple
+ * of 16, from kt (rows `width` pairs long). */
 static void scores_amx(const uint16_t *q, int64_t rows, const int32_t *kt, int64_t width,
-                       int64_t nkeys, int64_t d, float scale, float *s, int64_t s_stride) {
-    const __m512 vscale = _mm512_set1_ps(scale);
+                       int64_t nkeys, int64_t d, float *s, int64_t s_stride) {
     const int64_t kstride = width * 4, sstride = s_stride * 4;
     for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
         const uint16_t *qa = q + r0 * d;
@@ -66,11 +66,6 @@ static void scores_amx(const uint16_t *q, int64_t rows, const int32_t *kt, int64
             }
             _tile_stored(0, sr + t, sstride);
         }
-        int64_t nr = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS;
-        for (int64_t i = 0; i < nr; i++)
-            for (t = 0; t < nkeys; t += 16)
-                _mm512_storeu_ps(sr + i * s_stride + t,
-                                 _mm512_mul_ps(_mm512_loadu_ps(sr + i * s_stride + t), vscale));
     }
 }
 
@@ -174,7 +169,7 @@ static void tile_body_amx(const int32_t *qs, int64_t rows, int64_t group, const 
                           uint16_t *p, int64_t p_stride) {
     const uint16_t *qv = (const uint16_t *)qs;
     if (kt != NULL) {
-        scores_amx(qv, rows, kt, width, pad, d, scale, s, pad);
+        scores_amx(qv, rows, kt, width, pad, d, s, pad);
     } else {
         enum { CHUNK = 64 };
         int32_t chunk[(TILE_MAX_DIM / 2) * CHUNK] __attribute__((aligned(64)));
@@ -182,7 +177,7 @@ static void tile_body_amx(const int32_t *qs, int64_t rows, int64_t group, const 
             int64_t nk = pad - c < CHUNK ? pad - c : CHUNK;
             transpose_keys(k, table, len, block_size, block_stride, tok_stride, d, chunk, CHUNK,
                            c, c + nk, 0);
-            scores_amx(qv, rows, chunk, CHUNK, nk, d, scale, s + c, pad);
+            scores_amx(qv, rows, chunk, CHUNK, nk, d, s + c, pad);
         }
     }
     for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
@@ -192,7 +187,7 @@ static void tile_body_amx(const int32_t *qs, int64_t rows, int64_t group, const 
         for (int64_t i = 0; i < nr; i++) {
             int64_t r = r0 + i, len_r = len0 + r / group;
             inv[i] = row_softmax(s + r * pad, window_start(len_r, window), len_r, p + r * p_stride,
-                                 p_stride - 2);
+                                 p_stride - 2, scale);
             outs[i] = out + (r / group) * q_tok_stride + (r % group) * d;
         }
         int64_t end = len0 + (r0 + nr - 1) / group; /* the block's longest row */

@@ -245,11 +245,13 @@ DEFINE_TILE_SCORES(scores_3, 3)
 DEFINE_TILE_SCORES(scores_2, 2)
 DEFINE_TILE_SCORES(scores_1, 1)
 
-/* One row's scores (len of them) to bf16 probabilities p (+0 before `first`,
- * the row's window, and from len to `width` + 2); returns 1 / the sum of the
- * rounded probabilities. */
+/* One row's scores (len of them, each times `scale` as it is read: 1 for scores
+ * stored scaled) to bf16 probabilities p (+0 before `first`, the row's window, and
+ * from len to `width` + 2); returns 1 / the sum of the rounded probabilities. The
+ * max is taken unscaled and then scaled: rounding is monotonic, so it is the max of
+ * the scaled scores, bit for bit. */
 INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p,
-                         int64_t width) {
+                         int64_t width, float scale) {
     __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1u);
     int64_t full = len / 16 * 16;
     /* keys before the window's 16-key vector are skipped (their probabilities
@@ -267,13 +269,15 @@ INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p
         __mmask16 m = tail & keys_from(full, first);
         vmx = _mm512_mask_max_ps(vmx, m, vmx, _mm512_maskz_loadu_ps(m, s + full));
     }
-    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx) * scale);
+    const __m512 vscale = _mm512_set1_ps(scale);
     __m512 acc = _mm512_setzero_ps();
     for (t = 0; t < lead; t += 16) _mm256_storeu_si256((__m256i *)(p + t), _mm256_setzero_si256());
     for (t = lead; t < len; t += 16) {
         __mmask16 live = t < full ? (__mmask16)0xffff : tail;
         if (t == lead) live &= keys_from(t, first);
-        __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mx));
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), vscale);
+        __m512 e = vexp_nonpositive(_mm512_sub_ps(x, mx));
         __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, e));
         _mm256_storeu_si256((__m256i *)(p + t), h);
         acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
@@ -447,7 +451,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
             int64_t r = r0 + i;
             int64_t len_r = len0 + r / group;
             inv[i] = row_softmax(sr + i * pad, window_start(len_r, window), len_r,
-                                 p + r * p_stride, pad);
+                                 p + r * p_stride, pad, 1.f);
         }
         /* values for this block's rows, in passes of what the registers hold; wide
          * heads (head_dim 256) in 128-column slices, so that a pass serves 3 rows
