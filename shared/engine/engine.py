@@ -40,6 +40,7 @@ from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import SchedulerOutput
 from shared.engine.snapshot import EngineSnapshot
 from shared.errors import InvalidRequestError
+from shared.heap import keep_freed_memory
 from shared.kv.block_hash import BlockHasher
 from shared.kv.kv_cache import KVCache
 from shared.kv.layer_groups import LayerGroups
@@ -56,6 +57,7 @@ class Engine:
     ):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()  # each step's temporaries stay mapped for the next
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -11,17 +11,13 @@ import torch
 
 from shared.config import LinearBackend, PointwiseBackend
 from shared.errors import ConfigError
+from shared.heap import release_freed_memory
 from shared.kv.layout import torch_dtype
 from shared.model import families, gemma3, llama
 from shared.model.arch import ModelArch
 from shared.model.decoder import DecoderModel, ModelWeights
 from shared.model.linear import Linear, select_linear
-from shared.model.packed_file import (
-    load_or_pack,
-    packed_path,
-    packing_code,
-    release_freed_memory,
-)
+from shared.model.packed_file import load_or_pack, packed_path, packing_code
 from shared.model.pointwise import select_pointwise
 from shared.model.registry import ResolvedModel, resolve
 from shared.model.tokenizer import Tokenizer

@@ -17,7 +17,6 @@ so a reader never sees a partial file.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import inspect
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from shared.filelock import file_lock
+from shared.heap import release_freed_memory
 from shared.kv.layout import dtype_name, torch_dtype
 from shared.model.decoder import LayerWeights, ModelWeights
 from shared.model.linear import PackedWeight
@@ -117,18 +117,6 @@ def _remove_replaced(path: Path) -> None:
         if name != path.name and name.startswith(stem) and len(name) == len(path.name):
             old.unlink(missing_ok=True)
             old.with_name(name + ".lock").unlink(missing_ok=True)
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the OS: glibc keeps memory freed from its
-    arenas (a load's intermediate copies) resident until asked to trim."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def _align(n: int) -> int:
