@@ -68,8 +68,15 @@ INLINE __m512 vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-/* Vector form of f32_to_bf16: nearest even, NaN kept quiet. */
+/* Vector form of f32_to_bf16: nearest even, NaN kept quiet. Where the CPU converts
+ * (AVX512-BF16) one instruction does it (a sixth of the instructions of silu * up
+ * went to two of these); it flushes fp32 denormals (below 1.2e-38) to zero, which
+ * the scalar form keeps: each element always takes the same one of them (its place
+ * in the row decides, never the batch), so rows still match across batches. */
 INLINE __m256i vf32_to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
     __m512i u = _mm512_castps_si512(x);
     __m512i high = _mm512_srli_epi32(u, 16);
     __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
@@ -78,6 +85,7 @@ INLINE __m256i vf32_to_bf16(__m512 x) {
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
+#endif
 }
 INLINE void vstore_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
 INLINE void vstore_bf16(uint16_t *p, __m512 x) {
