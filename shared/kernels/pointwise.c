@@ -44,35 +44,95 @@ INLINE float gelu_tanh(float x) {
     return y2 >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
 }
 
-/* out[r] = round(round(x[r] / rms(x[r])) * w) for rows of `width`. */
-#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                        \
+/* One row's RMSNorm: out = round(round(x / rms(x)) * w), x `width` long. The sum of
+ * squares runs in 16 lanes (lane l over the elements l, l + 16, ...), the lanes added
+ * in a fixed tree, then the tail in order: the same for a row wherever it is.
+ * ADD_NORM_ROW first makes x = round(x + y) in place (a residual add), then norms it. */
+#if defined(__AVX512F__)
+INLINE float lanes_sum(__m512 acc) {
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
+    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));
+    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));
+    return _mm512_cvtss_f32(acc);
+}
+#define DEFINE_NORM_ROW(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
+    INLINE void NAME(T *x, const T *y, const T *w, T *out, int64_t width, float eps) {      \
+        __m512 acc = _mm512_setzero_ps();                                                   \
+        int64_t full = width / 16 * 16;                                                     \
+        for (int64_t i = 0; i < full; i += 16) {                                            \
+            __m512 v = VLOAD(x + i);                                                        \
+            if (y != NULL) {                                                                \
+                v = VROUND(_mm512_add_ps(v, VLOAD(y + i)));                                 \
+                VSTORE(x + i, v);                                                           \
+            }                                                                               \
+            acc = _mm512_fmadd_ps(v, v, acc);                                               \
+        }                                                                                   \
+        float ss = lanes_sum(acc);                                                          \
+        for (int64_t i = full; i < width; i++) {                                            \
+            float v = LOAD(x[i]);                                                           \
+            if (y != NULL) {                                                                \
+                v = ROUND(v + LOAD(y[i]));                                                  \
+                x[i] = STORE(v);                                                            \
+            }                                                                               \
+            ss += v * v;                                                                    \
+        }                                                                                   \
+        float inv = 1.f / sqrtf(ss / (float)width + eps);                                   \
+        __m512 vinv = _mm512_set1_ps(inv);                                                  \
+        for (int64_t i = 0; i < full; i += 16)                                              \
+            VSTORE(out + i, _mm512_mul_ps(VROUND(_mm512_mul_ps(VLOAD(x + i), vinv)),        \
+                                          VLOAD(w + i)));                                   \
+        for (int64_t i = full; i < width; i++)                                              \
+            out[i] = STORE(ROUND(LOAD(x[i]) * inv) * LOAD(w[i]));                           \
+    }
+#else
+#define DEFINE_NORM_ROW(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
+    INLINE void NAME(T *x, const T *y, const T *w, T *out, int64_t width, float eps) {      \
+        float ss = 0.f;                                                                     \
+        for (int64_t i = 0; i < width; i++) {                                               \
+            float v = LOAD(x[i]);                                                           \
+            if (y != NULL) {                                                                \
+                v = ROUND(v + LOAD(y[i]));                                                  \
+                x[i] = STORE(v);                                                            \
+            }                                                                               \
+            ss += v * v;                                                                    \
+        }                                                                                   \
+        float inv = 1.f / sqrtf(ss / (float)width + eps);                                   \
+        for (int64_t i = 0; i < width; i++)                                                 \
+            out[i] = STORE(ROUND(LOAD(x[i]) * inv) * LOAD(w[i]));                           \
+    }
+#endif
+
+/* out[r] = the norm of row r of x (rows of `width`). */
+#define DEFINE_RMS_NORM(NAME, T, ROW)                                                       \
     void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t width, float eps,       \
               int threads) {                                                                \
         _Pragma(PARALLEL_ROWS)                                                              \
-        for (int64_t r = 0; r < rows; r++) {                                                \
-            const T *xr = x + r * width;                                                    \
-            float ss = 0.f;                                                                 \
-            for (int64_t i = 0; i < width; i++) ss += LOAD(xr[i]) * LOAD(xr[i]);           \
-            float inv = 1.f / sqrtf(ss / (float)width + eps);                               \
-            for (int64_t i = 0; i < width; i++)                                             \
-                out[r * width + i] = STORE(ROUND(LOAD(xr[i]) * inv) * LOAD(w[i]));          \
-        }                                                                                   \
+        for (int64_t r = 0; r < rows; r++)                                                  \
+            ROW((T *)(x + r * width), NULL, w, out + r * width, width, eps);                \
+    }
+
+/* The residual add and the norm after it in one pass: h[r] = round(h[r] + y[r]) (in
+ * place), out[r] = the norm of the new h[r]; both as the add and rms_norm give. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, ROW)                                                   \
+    void NAME(T *h, const T *y, const T *w, T *out, int64_t rows, int64_t width, float eps, \
+              int threads) {                                                                \
+        _Pragma(PARALLEL_ROWS)                                                              \
+        for (int64_t r = 0; r < rows; r++)                                                  \
+            ROW(h + r * width, y + r * width, w, out + r * width, width, eps);              \
     }
 
 /* RMSNorm in place of `heads` head_dim-wide slices of each row (rows `stride`
  * values apart; Gemma's QK-norm on the fused QKV rows), each as rms_norm does
  * a row of width d. */
-#define DEFINE_HEAD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                   \
+#define DEFINE_HEAD_RMS_NORM(NAME, T, ROW)                                                  \
     void NAME(T *x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const T *w,     \
               float eps, int threads) {                                                     \
         int64_t n = rows * heads;                                                           \
         _Pragma("omp parallel for if (n >= 16) num_threads(threads) schedule(static)")      \
         for (int64_t i = 0; i < n; i++) {                                                   \
             T *xr = x + (i / heads) * stride + (i % heads) * d;                             \
-            float ss = 0.f;                                                                 \
-            for (int64_t j = 0; j < d; j++) ss += LOAD(xr[j]) * LOAD(xr[j]);               \
-            float inv = 1.f / sqrtf(ss / (float)d + eps);                                   \
-            for (int64_t j = 0; j < d; j++) xr[j] = STORE(ROUND(LOAD(xr[j]) * inv) * LOAD(w[j])); \
+            ROW(xr, NULL, w, xr, d, eps);                                                   \
         }                                                                                   \
     }
 
@@ -137,10 +197,16 @@ INLINE __m512 vgelu_tanh(__m512 x) {
         }                                                                                   \
     }
 
-DEFINE_RMS_NORM(baton_rms_norm_f32, float, load_f32, store_f32, round_f32)
-DEFINE_RMS_NORM(baton_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
-DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_f32, float, load_f32, store_f32, round_f32)
-DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_NORM_ROW(norm_row_f32, float, load_f32, store_f32, round_f32, vload_f32, vstore_f32,
+                vround_f32)
+DEFINE_NORM_ROW(norm_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16, vload_bf16,
+                vstore_bf16, vround_bf16)
+DEFINE_RMS_NORM(baton_rms_norm_f32, float, norm_row_f32)
+DEFINE_RMS_NORM(baton_rms_norm_bf16, uint16_t, norm_row_bf16)
+DEFINE_ADD_RMS_NORM(baton_add_rms_norm_f32, float, norm_row_f32)
+DEFINE_ADD_RMS_NORM(baton_add_rms_norm_bf16, uint16_t, norm_row_bf16)
+DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_f32, float, norm_row_f32)
+DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_bf16, uint16_t, norm_row_bf16)
 DEFINE_ROPE(baton_rope_f32, float, load_f32, store_f32, round_f32)
 DEFINE_ROPE(baton_rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_GLU_MUL(baton_silu_mul_f32, silu, vsilu, float, load_f32, store_f32, round_f32, vload_f32,

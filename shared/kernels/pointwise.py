@@ -43,6 +43,9 @@ class PointwiseKernel:
         lib = load_library(library)
         self.library = library
         self._rms_norm = bind_dtypes(lib, "baton_rms_norm", [_P, _P, _P, _I, _I, _F, _T])
+        self._add_rms_norm = bind_dtypes(
+            lib, "baton_add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _T]
+        )
         self._rope = bind_dtypes(lib, "baton_rope", [_P, _I, _I, _I, _I, _P, _P, _P, _T])
         self._head_rms_norm = bind_dtypes(
             lib, "baton_head_rms_norm", [_P, _I, _I, _I, _I, _P, _F, _T]
@@ -69,6 +72,33 @@ class PointwiseKernel:
             out.data_ptr(),
             x.shape[0],
             x.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def add_rms_norm_(
+        self, h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``h += y`` in place (rounded as the dtype's add rounds), then :meth:`rms_norm`
+        of the new ``h``, in one pass; ``h``, ``y``: contiguous ``[rows, width]``."""
+        _cpu_rows("add_rms_norm", h)
+        refuse(
+            "add_rms_norm",
+            [
+                (not h.is_contiguous(), "h must be contiguous (it is written in place)"),
+                (y.shape != h.shape or y.dtype != h.dtype, "y shape or dtype"),
+                (weight.shape != h.shape[1:] or weight.dtype != h.dtype, "weight shape or dtype"),
+            ],
+        )
+        out = torch.empty_like(h)
+        self._add_rms_norm[h.dtype](
+            h.data_ptr(),
+            y.contiguous().data_ptr(),
+            weight.contiguous().data_ptr(),
+            out.data_ptr(),
+            h.shape[0],
+            h.shape[1],
             eps,
             torch.get_num_threads(),
         )

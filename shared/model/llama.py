@@ -87,9 +87,10 @@ class LlamaModel(DecoderModel):
         q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n = input_ids.shape[0]
         ops, eps = self.ops, a.rms_norm_eps
-        h = self.embed_tokens(input_ids)
-        for idx, lw in enumerate(self.layers):
-            x = ops.rms_norm(h, lw.input_norm, eps)
+        h = self.embed_tokens(input_ids)  # the residual stream: ours, added to in place
+        layers = self.layers
+        x = ops.rms_norm(h, layers[0].input_norm, eps)
+        for idx, lw in enumerate(layers):
             qkv = self.gemm(x, lw.qkv)
             q, k = ops.rotary(qkv, positions, self.rope, a.num_heads, a.num_kv_heads)
             v = qkv[:, q_dim + kv_dim :].view(n, a.num_kv_heads, a.head_dim)
@@ -98,8 +99,13 @@ class LlamaModel(DecoderModel):
             if on_layer is not None:
                 on_layer(idx)
             attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention)
-            h = h + self.gemm(attn.reshape(n, q_dim), lw.o_proj)
-            x = ops.rms_norm(h, lw.post_norm, eps)
-            h = h + self.gemm(ops.silu_mul(self.gemm(x, lw.gate_up)), lw.down)
+            x = ops.add_rms_norm_(
+                h, self.gemm(attn.reshape(n, q_dim), lw.o_proj), lw.post_norm, eps
+            )
+            mlp = self.gemm(ops.silu_mul(self.gemm(x, lw.gate_up)), lw.down)
+            if idx + 1 < len(layers):  # the next layer's input norm, with this add
+                x = ops.add_rms_norm_(h, mlp, layers[idx + 1].input_norm, eps)
+            else:
+                h.add_(mlp)
         last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

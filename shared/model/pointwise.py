@@ -41,6 +41,14 @@ class Pointwise(ABC):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x / rms(x) * weight`` over the last dim of ``[rows, width]``."""
 
+    def add_rms_norm_(
+        self, h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The residual add and the norm after it: ``h += y`` in place (``h`` is the
+        caller's own residual stream), then :meth:`rms_norm` of the new ``h``."""
+        h.add_(y)
+        return self.rms_norm(h, weight, eps)
+
     @abstractmethod
     def head_rms_norm_(
         self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
@@ -116,6 +124,11 @@ class NativePointwise(Pointwise):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernel.rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm_(
+        self, h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.kernel.add_rms_norm_(h, y, weight, eps)
 
     def head_rms_norm_(
         self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float

@@ -63,6 +63,24 @@ def test_rms_norm(kernel: PointwiseKernel, dtype: torch.dtype, rows: int) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 100])  # a width with a tail past its 16-lane vectors
+def test_add_rms_norm_is_the_add_then_the_norm(
+    kernel: PointwiseKernel, dtype: torch.dtype, width: int
+) -> None:
+    h = _randn(33, width, dtype=dtype, seed=5, scale=3.0)
+    y = _randn(33, width, dtype=dtype, seed=6)
+    w = _randn(width, dtype=dtype, seed=7)
+    want_h = h + y
+    want = kernel.rms_norm(want_h, w, 1e-5)
+    got = kernel.add_rms_norm_(h, y, w, 1e-5)
+    assert torch.equal(h, want_h)  # the residual stream, added to in place
+    assert torch.equal(got, want)
+    _same(got, TorchPointwise().add_rms_norm_(want_h.clone(), torch.zeros_like(y), w, 1e-5))
+    with pytest.raises(ValueError, match="y shape"):
+        kernel.add_rms_norm_(h, y[:, :-1].contiguous(), w, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_silu_mul(kernel: PointwiseKernel, dtype: torch.dtype, rows: int) -> None:
     # width 1544: 96 vectors of 16 and a scalar tail of 8; values far into both tails of silu
