@@ -139,7 +139,23 @@ INLINE float lanes_sum(__m512 acc) {
 /* Rotate-half RoPE in place on the first `heads` head_dim-wide slices of each
  * row (the query and key heads of a fused QKV row `stride` values long), by
  * row r's angles cos/sin[positions[r]] (tables [max_position, head_dim]). */
-#define DEFINE_ROPE(NAME, T, LOAD, STORE, ROUND)                                            \
+#if defined(__AVX512F__)
+/* 16 pairs at a time, each element as the scalar loop computes it */
+#define ROPE_VECTOR(VLOAD, VSTORE, VROUND)                                                  \
+    for (; i + 16 <= half; i += 16) {                                                       \
+        __m512 a = VLOAD(x + i), b = VLOAD(x + i + half);                                   \
+        __m512 lo = _mm512_add_ps(VROUND(_mm512_mul_ps(a, VLOAD(c + i))),                   \
+                                  VROUND(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), \
+                                                       VLOAD(s + i))));                     \
+        __m512 hi = _mm512_add_ps(VROUND(_mm512_mul_ps(b, VLOAD(c + i + half))),            \
+                                  VROUND(_mm512_mul_ps(a, VLOAD(s + i + half))));           \
+        VSTORE(x + i, lo);                                                                  \
+        VSTORE(x + i + half, hi);                                                           \
+    }
+#else
+#define ROPE_VECTOR(VLOAD, VSTORE, VROUND)
+#endif
+#define DEFINE_ROPE(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                     \
     void NAME(T *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d,              \
               const T *cos_t, const T *sin_t, const int64_t *positions, int threads) {       \
         int64_t half = d / 2;                                                               \
@@ -148,7 +164,9 @@ INLINE float lanes_sum(__m512 acc) {
             const T *c = cos_t + positions[r] * d, *s = sin_t + positions[r] * d;           \
             for (int64_t h = 0; h < heads; h++) {                                           \
                 T *x = qkv + r * stride + h * d;                                            \
-                for (int64_t i = 0; i < half; i++) {                                        \
+                int64_t i = 0;                                                              \
+                ROPE_VECTOR(VLOAD, VSTORE, VROUND)                                          \
+                for (; i < half; i++) {                                                     \
                     float a = LOAD(x[i]), b = LOAD(x[i + half]);                            \
                     float lo = ROUND(a * LOAD(c[i])) + ROUND(-b * LOAD(s[i]));              \
                     float hi = ROUND(b * LOAD(c[i + half])) + ROUND(a * LOAD(s[i + half])); \
@@ -207,8 +225,10 @@ DEFINE_ADD_RMS_NORM(baton_add_rms_norm_f32, float, norm_row_f32)
 DEFINE_ADD_RMS_NORM(baton_add_rms_norm_bf16, uint16_t, norm_row_bf16)
 DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_f32, float, norm_row_f32)
 DEFINE_HEAD_RMS_NORM(baton_head_rms_norm_bf16, uint16_t, norm_row_bf16)
-DEFINE_ROPE(baton_rope_f32, float, load_f32, store_f32, round_f32)
-DEFINE_ROPE(baton_rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROPE(baton_rope_f32, float, load_f32, store_f32, round_f32, vload_f32, vstore_f32,
+            vround_f32)
+DEFINE_ROPE(baton_rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16, vload_bf16,
+            vstore_bf16, vround_bf16)
 DEFINE_GLU_MUL(baton_silu_mul_f32, silu, vsilu, float, load_f32, store_f32, round_f32, vload_f32,
                vstore_f32, vround_f32)
 DEFINE_GLU_MUL(baton_silu_mul_bf16, silu, vsilu, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16,
