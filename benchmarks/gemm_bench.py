@@ -5,7 +5,9 @@ down, then the LM head), each layer with its own random weights, so the
 weights are cold as in the engine (about 538 MB in fp32; the caches hold a
 few layers). For each row count (the decode batch, or the prompt length in
 prefill) both backends run the whole forward's GEMMs alternately (ABAB...);
-printed are median times, GFLOPS and the time ratio (< 1.0: native faster).
+printed are median times, GFLOPS and the time ratio (< 1.0: native faster), for
+the whole forward and then per shape (each layer GEMM over the 30 layers; the LM
+head, which a prefill runs on its last row only, apart).
 
     python -m benchmarks.gemm_bench --out bench-results/gemm.json
 """
@@ -58,9 +60,51 @@ def run_forward(linear: Linear, weights: list[PackedWeight], xs: dict[int, torch
     return time.perf_counter() - t0
 
 
+def shape_names(layers: int) -> list[str]:
+    """The shape of each weight :func:`forward_weights` returns, in its order."""
+    return [name for _ in range(layers) for name in LAYER_SHAPES] + ["lm_head"]
+
+
 def forward_flops(rows: int, layers: int) -> int:
     per_layer = sum(n * k for n, k in LAYER_SHAPES.values())
     return 2 * rows * (layers * per_layer + LM_HEAD[0] * LM_HEAD[1])
+
+
+def per_shape(
+    native: Linear,
+    ours: list[PackedWeight],
+    onednn: Linear,
+    theirs: list[PackedWeight],
+    xs: dict[int, torch.Tensor],
+    args: argparse.Namespace,
+    rows: int,
+) -> dict[str, dict[str, float]]:
+    """Each shape's GEMMs alone (its weights across the layers), both backends alternately."""
+    names = shape_names(args.layers)
+    out: dict[str, dict[str, float]] = {}
+    for name in [*LAYER_SHAPES, "lm_head"]:
+        mine = [w for w, n in zip(ours, names, strict=True) if n == name]
+        other = [w for w, n in zip(theirs, names, strict=True) if n == name]
+        t_native, t_onednn = paired(
+            partial(run_forward, native, mine, xs),
+            partial(run_forward, onednn, other, xs),
+            args.repeats,
+        )
+        n, k = LM_HEAD if name == "lm_head" else LAYER_SHAPES[name]
+        flops = 2 * rows * n * k * len(mine)
+        out[name] = {
+            "native_ms": t_native * 1e3,
+            "onednn_ms": t_onednn * 1e3,
+            "native_gflops": flops / t_native / 1e9,
+            "onednn_gflops": flops / t_onednn / 1e9,
+            "time_ratio": t_native / t_onednn,
+        }
+        print(
+            f"    {name:8s} native {flops / t_native / 1e9:5.0f} GFLOPS  oneDNN "
+            f"{flops / t_onednn / 1e9:5.0f} GFLOPS  time ratio {t_native / t_onednn:.2f}",
+            flush=True,
+        )
+    return out
 
 
 def main() -> None:
@@ -105,7 +149,6 @@ def main() -> None:
                     "onednn_gflops": flops / t_onednn / 1e9,
                     "time_ratio": t_native / t_onednn,
                 }
-                results.append(row)
                 print(
                     f"forward GEMMs {dtype_name:8s} threads={threads} rows={rows:<5d} "
                     f"native {row['native_ms']:7.1f} ms ({row['native_gflops']:4.0f} GFLOPS)  "
@@ -113,6 +156,8 @@ def main() -> None:
                     f"time ratio {row['time_ratio']:.2f}",
                     flush=True,
                 )
+                row["shapes"] = per_shape(native, ours, onednn, theirs, xs, args, rows)
+                results.append(row)
     save_json(args.out, results)
 
 

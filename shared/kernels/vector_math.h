@@ -47,8 +47,9 @@ INLINE float exp_nonpositive(float x) {
 INLINE __m512 vexp_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 y = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f));
-    __m512i ni = _mm512_cvttps_epi32(y);
-    __m512 n = _mm512_cvtepi32_ps(ni);
+    /* truncated as the scalar form's cast truncates; 2^n applied by vscalefps, exact
+     * as the multiply by a built power of two was (n >= -126 after the clamp) */
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
     __m512 p = _mm512_set1_ps(1.f / 720.f);
@@ -58,8 +59,7 @@ INLINE __m512 vexp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(p, n);
 }
 
 INLINE __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
