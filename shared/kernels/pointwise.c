@@ -44,39 +44,22 @@ INLINE float gelu_tanh(float x) {
     return y2 >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
 }
 
-/* One row's RMSNorm: out = round(round(x / rms(x)) * w), x `width` long. The sum of
- * squares runs in 16 lanes (lane l over the elements l, l + 16, ...), the lanes added
- * in a fixed tree, then the tail in order: the same for a row wherever it is.
- * ADD_NORM_ROW first makes x = round(x + y) in place (a residual add), then norms it. */
+/* One row's RMSNorm: out = round(round(x / rms(x)) * w), x `width` long; with y, first
+ * x = round(x + y) in place (a residual add). The sum of squares is the plain loop
+ * (vectorized by the compiler as it always was: bf16 results stay torch's bits, and a
+ * changed order flipped a greedy answer of the default model); the add and the scaling
+ * are elementwise, in AVX-512. */
 #if defined(__AVX512F__)
-INLINE float lanes_sum(__m512 acc) {
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
-    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));
-    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));
-    return _mm512_cvtss_f32(acc);
-}
 #define DEFINE_NORM_ROW(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
     INLINE void NAME(T *x, const T *y, const T *w, T *out, int64_t width, float eps) {      \
-        __m512 acc = _mm512_setzero_ps();                                                   \
         int64_t full = width / 16 * 16;                                                     \
-        for (int64_t i = 0; i < full; i += 16) {                                            \
-            __m512 v = VLOAD(x + i);                                                        \
-            if (y != NULL) {                                                                \
-                v = VROUND(_mm512_add_ps(v, VLOAD(y + i)));                                 \
-                VSTORE(x + i, v);                                                           \
-            }                                                                               \
-            acc = _mm512_fmadd_ps(v, v, acc);                                               \
+        if (y != NULL) {                                                                    \
+            for (int64_t i = 0; i < full; i += 16)                                          \
+                VSTORE(x + i, VROUND(_mm512_add_ps(VLOAD(x + i), VLOAD(y + i))));          \
+            for (int64_t i = full; i < width; i++) x[i] = STORE(ROUND(LOAD(x[i]) + LOAD(y[i]))); \
         }                                                                                   \
-        float ss = lanes_sum(acc);                                                          \
-        for (int64_t i = full; i < width; i++) {                                            \
-            float v = LOAD(x[i]);                                                           \
-            if (y != NULL) {                                                                \
-                v = ROUND(v + LOAD(y[i]));                                                  \
-                x[i] = STORE(v);                                                            \
-            }                                                                               \
-            ss += v * v;                                                                    \
-        }                                                                                   \
+        float ss = 0.f;                                                                     \
+        for (int64_t i = 0; i < width; i++) ss += LOAD(x[i]) * LOAD(x[i]);                 \
         float inv = 1.f / sqrtf(ss / (float)width + eps);                                   \
         __m512 vinv = _mm512_set1_ps(inv);                                                  \
         for (int64_t i = 0; i < full; i += 16)                                              \
@@ -88,15 +71,10 @@ INLINE float lanes_sum(__m512 acc) {
 #else
 #define DEFINE_NORM_ROW(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
     INLINE void NAME(T *x, const T *y, const T *w, T *out, int64_t width, float eps) {      \
+        if (y != NULL)                                                                      \
+            for (int64_t i = 0; i < width; i++) x[i] = STORE(ROUND(LOAD(x[i]) + LOAD(y[i]))); \
         float ss = 0.f;                                                                     \
-        for (int64_t i = 0; i < width; i++) {                                               \
-            float v = LOAD(x[i]);                                                           \
-            if (y != NULL) {                                                                \
-                v = ROUND(v + LOAD(y[i]));                                                  \
-                x[i] = STORE(v);                                                            \
-            }                                                                               \
-            ss += v * v;                                                                    \
-        }                                                                                   \
+        for (int64_t i = 0; i < width; i++) ss += LOAD(x[i]) * LOAD(x[i]);                 \
         float inv = 1.f / sqrtf(ss / (float)width + eps);                                   \
         for (int64_t i = 0; i < width; i++)                                                 \
             out[i] = STORE(ROUND(LOAD(x[i]) * inv) * LOAD(w[i]));                           \
