@@ -18,6 +18,7 @@ import argparse
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,6 +71,17 @@ def forward_flops(rows: int, layers: int) -> int:
     return 2 * rows * (layers * per_layer + LM_HEAD[0] * LM_HEAD[1])
 
 
+def timings(t_native: float, t_onednn: float, flops: int) -> dict[str, float]:
+    """Both sides' times (s) as ms, GFLOPS and their ratio (< 1.0: native faster)."""
+    return {
+        "native_ms": t_native * 1e3,
+        "onednn_ms": t_onednn * 1e3,
+        "native_gflops": flops / t_native / 1e9,
+        "onednn_gflops": flops / t_onednn / 1e9,
+        "time_ratio": t_native / t_onednn,
+    }
+
+
 def per_shape(
     native: Linear,
     ours: list[PackedWeight],
@@ -91,17 +103,10 @@ def per_shape(
             args.repeats,
         )
         n, k = LM_HEAD if name == "lm_head" else LAYER_SHAPES[name]
-        flops = 2 * rows * n * k * len(mine)
-        out[name] = {
-            "native_ms": t_native * 1e3,
-            "onednn_ms": t_onednn * 1e3,
-            "native_gflops": flops / t_native / 1e9,
-            "onednn_gflops": flops / t_onednn / 1e9,
-            "time_ratio": t_native / t_onednn,
-        }
+        out[name] = t = timings(t_native, t_onednn, 2 * rows * n * k * len(mine))
         print(
-            f"    {name:8s} native {flops / t_native / 1e9:5.0f} GFLOPS  oneDNN "
-            f"{flops / t_onednn / 1e9:5.0f} GFLOPS  time ratio {t_native / t_onednn:.2f}",
+            f"    {name:8s} native {t['native_gflops']:5.0f} GFLOPS  oneDNN "
+            f"{t['onednn_gflops']:5.0f} GFLOPS  time ratio {t['time_ratio']:.2f}",
             flush=True,
         )
     return out
@@ -138,16 +143,11 @@ def main() -> None:
                     partial(run_forward, onednn, theirs, xs),
                     args.repeats,
                 )
-                flops = forward_flops(rows, args.layers)
-                row = {
+                row: dict[str, Any] = {
                     "dtype": dtype_name,
                     "threads": threads,
                     "rows": rows,
-                    "native_ms": t_native * 1e3,
-                    "onednn_ms": t_onednn * 1e3,
-                    "native_gflops": flops / t_native / 1e9,
-                    "onednn_gflops": flops / t_onednn / 1e9,
-                    "time_ratio": t_native / t_onednn,
+                    **timings(t_native, t_onednn, forward_flops(rows, args.layers)),
                 }
                 print(
                     f"forward GEMMs {dtype_name:8s} threads={threads} rows={rows:<5d} "

@@ -50,36 +50,30 @@ INLINE float gelu_tanh(float x) {
  * changed order flipped a greedy answer of the default model); the add and the scaling
  * are elementwise, in AVX-512. */
 #if defined(__AVX512F__)
+#define NORM_ADD_VECTOR(VLOAD, VSTORE, VROUND)                                              \
+    for (; i + 16 <= width; i += 16)                                                        \
+        VSTORE(x + i, VROUND(_mm512_add_ps(VLOAD(x + i), VLOAD(y + i))));
+#define NORM_SCALE_VECTOR(VLOAD, VSTORE, VROUND)                                            \
+    for (__m512 vinv = _mm512_set1_ps(inv); i + 16 <= width; i += 16)                       \
+        VSTORE(out + i, _mm512_mul_ps(VROUND(_mm512_mul_ps(VLOAD(x + i), vinv)), VLOAD(w + i)));
+#else
+#define NORM_ADD_VECTOR(VLOAD, VSTORE, VROUND)
+#define NORM_SCALE_VECTOR(VLOAD, VSTORE, VROUND)
+#endif
 #define DEFINE_NORM_ROW(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
     INLINE void NAME(T *x, const T *y, const T *w, T *out, int64_t width, float eps) {      \
-        int64_t full = width / 16 * 16;                                                     \
+        int64_t i = 0;                                                                      \
         if (y != NULL) {                                                                    \
-            for (int64_t i = 0; i < full; i += 16)                                          \
-                VSTORE(x + i, VROUND(_mm512_add_ps(VLOAD(x + i), VLOAD(y + i))));          \
-            for (int64_t i = full; i < width; i++) x[i] = STORE(ROUND(LOAD(x[i]) + LOAD(y[i]))); \
+            NORM_ADD_VECTOR(VLOAD, VSTORE, VROUND)                                          \
+            for (; i < width; i++) x[i] = STORE(ROUND(LOAD(x[i]) + LOAD(y[i])));            \
         }                                                                                   \
         float ss = 0.f;                                                                     \
-        for (int64_t i = 0; i < width; i++) ss += LOAD(x[i]) * LOAD(x[i]);                 \
+        for (int64_t j = 0; j < width; j++) ss += LOAD(x[j]) * LOAD(x[j]);                 \
         float inv = 1.f / sqrtf(ss / (float)width + eps);                                   \
-        __m512 vinv = _mm512_set1_ps(inv);                                                  \
-        for (int64_t i = 0; i < full; i += 16)                                              \
-            VSTORE(out + i, _mm512_mul_ps(VROUND(_mm512_mul_ps(VLOAD(x + i), vinv)),        \
-                                          VLOAD(w + i)));                                   \
-        for (int64_t i = full; i < width; i++)                                              \
-            out[i] = STORE(ROUND(LOAD(x[i]) * inv) * LOAD(w[i]));                           \
+        i = 0;                                                                              \
+        NORM_SCALE_VECTOR(VLOAD, VSTORE, VROUND)                                            \
+        for (; i < width; i++) out[i] = STORE(ROUND(LOAD(x[i]) * inv) * LOAD(w[i]));       \
     }
-#else
-#define DEFINE_NORM_ROW(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                 \
-    INLINE void NAME(T *x, const T *y, const T *w, T *out, int64_t width, float eps) {      \
-        if (y != NULL)                                                                      \
-            for (int64_t i = 0; i < width; i++) x[i] = STORE(ROUND(LOAD(x[i]) + LOAD(y[i]))); \
-        float ss = 0.f;                                                                     \
-        for (int64_t i = 0; i < width; i++) ss += LOAD(x[i]) * LOAD(x[i]);                 \
-        float inv = 1.f / sqrtf(ss / (float)width + eps);                                   \
-        for (int64_t i = 0; i < width; i++)                                                 \
-            out[i] = STORE(ROUND(LOAD(x[i]) * inv) * LOAD(w[i]));                           \
-    }
-#endif
 
 /* out[r] = the norm of row r of x (rows of `width`). */
 #define DEFINE_RMS_NORM(NAME, T, ROW)                                                       \
