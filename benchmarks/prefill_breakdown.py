@@ -25,10 +25,12 @@ from benchmarks.peak import peak_gflops
 from benchmarks.results import save_json
 from benchmarks.step_breakdown import Clock, TimedLinear
 from shared.config import default_cache_dir
+from shared.kernels.gemm import Glu
 from shared.model.attention import PrefillSegment
 from shared.model.attention_impl import AttentionImpl
 from shared.model.linear import Linear, PackedWeight
 from shared.model.loader import load_model
+from shared.model.pointwise import Pointwise
 from shared.model.prefill_attention import PrefillAttention
 
 
@@ -42,6 +44,11 @@ class CountedLinear(TimedLinear):
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         out = super().__call__(x, packed)
         self.flops += 2.0 * x.shape[0] * x.shape[-1] * out.shape[-1]
+        return out
+
+    def glu(self, x: torch.Tensor, packed: PackedWeight, act: Glu, ops: Pointwise) -> torch.Tensor:
+        out = super().glu(x, packed, act, ops)
+        self.flops += 2.0 * x.shape[0] * x.shape[-1] * packed.out_features
         return out
 
 

@@ -23,10 +23,12 @@ import torch
 from benchmarks.decode_args import decode_parser, load_default_model
 from benchmarks.engine_bench import Ours
 from benchmarks.results import save_json
+from shared.kernels.gemm import Glu
 from shared.model.attention import DecodeBatch
 from shared.model.attention_impl import AttentionImpl
 from shared.model.decode_attention import DecodeAttention
 from shared.model.linear import Linear, PackedWeight
+from shared.model.pointwise import Pointwise
 
 PARTS = ("gemm", "attention", "kv_write", "forward")
 
@@ -61,6 +63,14 @@ class TimedLinear(Linear):
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         out: torch.Tensor = self.clock.timed("gemm", self.inner, x, packed)
+        return out
+
+    def pack_glu(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
+        return self.inner.pack_glu(gate, up)
+
+    def glu(self, x: torch.Tensor, packed: PackedWeight, act: Glu, ops: Pointwise) -> torch.Tensor:
+        """The gate/up GEMM with its activation (fused where the backend fuses them)."""
+        out: torch.Tensor = self.clock.timed("gemm", self.inner.glu, x, packed, act, ops)
         return out
 
 

@@ -37,6 +37,7 @@
 #include "vector_math.h"
 
 #define PANEL 48   /* output columns per packed panel: three 16-float vectors */
+#define HALF (PANEL / 2) /* a GLU panel: HALF gate columns, then the same HALF of up */
 #define ROW_TILE 8 /* activation rows per register tile (24 accumulators) */
 /* From this many rows a panel is long work, and panels are handed out one at a time
  * as threads come free (an engine thread that shares its core with other work then
@@ -91,7 +92,7 @@ static int prefetch_per_k(int64_t m) {
  * every tile call, so its loops unroll and the sums stay in registers. */
 #define DEFINE_GEMM(NAME, T, PAIR, BCAST, MAC, STORE)                                        \
     INLINE void NAME##_tile(const int rows, const int per_k, const T *x, int64_t k_len,     \
-                            const T *panel, T *out, int64_t ldo, int64_t cols,              \
+                            const T *panel, T *out, int64_t ldo, int64_t cols, int act,     \
                             Prefetch *pf) {                                                 \
         __m512 acc[ROW_TILE][3];                                                            \
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] =      \
@@ -113,11 +114,11 @@ static int prefetch_per_k(int64_t m) {
             }                                                                               \
         }                                                                                   \
         pf->cursor = cursor;                                                                \
-        for (int r = 0; r < rows; r++) STORE(out + r * ldo, acc[r], cols);                  \
+        for (int r = 0; r < rows; r++) STORE(out + r * ldo, acc[r], cols, act);             \
     }                                                                                       \
                                                                                             \
     static void NAME##_any_tile(int rows, int per_k, const T *x, int64_t k_len,             \
-                                const T *panel, T *out, int64_t ldo, int64_t cols,          \
+                                const T *panel, T *out, int64_t ldo, int64_t cols, int act, \
                                 Prefetch *pf) {                                             \
         switch (per_k * 16 + rows) {                                                        \
             TILE_CASES(NAME, 0)                                                             \
@@ -126,42 +127,45 @@ static int prefetch_per_k(int64_t m) {
         }                                                                                   \
     }                                                                                       \
                                                                                             \
-    /* Returns 0, or 1 for arguments it does not handle. x is [m, k_len]          \
-     * contiguous, out is [m, n] with rows ldo elements apart. */                          \
+    /* Panel p's columns of out: p's PANEL columns, or with a GLU act its HALF. */         \
     static void NAME##_panel(int64_t p, int64_t panels, int per_k, const T *x, int64_t m,   \
                              int64_t k_len, const T *packed, int64_t n, T *out,             \
-                             int64_t ldo) {                                                 \
+                             int64_t ldo, int act) {                                        \
         const T *panel = packed + p * k_len * PANEL;                                        \
         const char *next = (const char *)(panel + k_len * PANEL);                           \
         Prefetch pf = {next, p + 1 < panels ? next + k_len * PANEL * sizeof(T) : next};     \
-        int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;                       \
+        const int64_t wide = act ? HALF : PANEL;                                            \
+        int64_t cols = n - p * wide < wide ? n - p * wide : wide;                           \
         for (int64_t r = 0; r < m; r += ROW_TILE) {                                         \
             int rows = m - r < ROW_TILE ? (int)(m - r) : ROW_TILE;                          \
             NAME##_any_tile(rows, per_k, x + r * k_len, k_len, panel,                      \
-                            out + r * ldo + p * PANEL, ldo, cols, &pf);                     \
+                            out + r * ldo + p * wide, ldo, cols, act, &pf);                 \
         }                                                                                   \
     }                                                                                       \
                                                                                             \
-    int NAME(const T *x, int64_t m, int64_t k_len, const T *packed, int64_t n, T *out,      \
-             int64_t ldo, int threads) {                                                    \
+    /* Returns 0, or 1 for arguments it does not handle. x is [m, k_len]          \
+     * contiguous, out is [m, n] with rows ldo elements apart (n: the GLU's width \
+     * where act is one, the packed weight then a GLU weight, see gemm.py). */      \
+    static int NAME(const T *x, int64_t m, int64_t k_len, const T *packed, int64_t n,       \
+                    T *out, int64_t ldo, int act, int threads) {                            \
         if (m < 0 || k_len <= 0 || k_len % PAIR || n <= 0 || ldo < n) return 1;             \
-        int64_t panels = (n + PANEL - 1) / PANEL;                                           \
+        const int64_t wide = act ? HALF : PANEL, panels = (n + wide - 1) / wide;            \
         int per_k = prefetch_per_k(m);                                                      \
         if (m >= SHARED_ROWS) {                                                             \
             _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")           \
             for (int64_t p = 0; p < panels; p++)                                            \
-                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo);           \
+                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo, act);      \
         } else {                                                                            \
             _Pragma("omp parallel for num_threads(threads) schedule(static)")               \
             for (int64_t p = 0; p < panels; p++)                                            \
-                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo);           \
+                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo, act);      \
         }                                                                                   \
         return 0;                                                                           \
     }
 
 #define TILE_CASE(NAME, P, R)                                                               \
     case P * 16 + R:                                                                        \
-        NAME##_tile(R, P, x, k_len, panel, out, ldo, cols, pf);                             \
+        NAME##_tile(R, P, x, k_len, panel, out, ldo, cols, act, pf);                        \
         return;
 #define TILE_CASES(NAME, P)                                                                 \
     TILE_CASE(NAME, P, 1) TILE_CASE(NAME, P, 2) TILE_CASE(NAME, P, 3) TILE_CASE(NAME, P, 4) \
@@ -169,7 +173,28 @@ static int prefetch_per_k(int64_t m) {
 
 INLINE __m512 bcast_f32(const float *x) { return _mm512_set1_ps(*x); }
 INLINE __m512 mac_f32(__m512 acc, __m512 x, __m512 b) { return _mm512_fmadd_ps(x, b, acc); }
-INLINE void store_f32_row(float *out, const __m512 acc[3], int64_t cols) {
+/* out[j] = round(round(act(gate_j)) * up_j), j < cols, from a GLU panel's row of sums c
+ * (gate in its first HALF columns, up in the next HALF), each sum first rounded as the
+ * GEMM would round its output (IN): what gate/up's GEMM and then pointwise.c's GLU
+ * store, bit for bit. */
+#define DEFINE_GLU_ROW(NAME, T, IN, ROUND, STORE_MASK)                                      \
+    INLINE void NAME(const float *c, T *out, int64_t cols, int act) {                       \
+        for (int64_t j = 0; j < cols; j += 16) {                                            \
+            __mmask16 m = first_lanes(cols - j);                                            \
+            __m512 g = IN(_mm512_maskz_loadu_ps(m, c + j));                                 \
+            __m512 u = IN(_mm512_maskz_loadu_ps(m, c + HALF + j));                          \
+            STORE_MASK(out + j, m, _mm512_mul_ps(ROUND(vglu_act(act, g)), u));              \
+        }                                                                                   \
+    }
+DEFINE_GLU_ROW(glu_row_f32, float, vround_f32, vround_f32, vstore_f32_mask)
+
+INLINE void store_f32_row(float *out, const __m512 acc[3], int64_t cols, int act) {
+    if (act) {
+        float row[PANEL];
+        for (int v = 0; v < 3; v++) _mm512_storeu_ps(row + 16 * v, acc[v]);
+        glu_row_f32(row, out, cols, act);
+        return;
+    }
     if (cols == PANEL) {
         _mm512_storeu_ps(out, acc[0]);
         _mm512_storeu_ps(out + 16, acc[1]);
@@ -181,8 +206,19 @@ INLINE void store_f32_row(float *out, const __m512 acc[3], int64_t cols) {
     memcpy(out, row, sizeof(float) * (size_t)cols);
 }
 
-DEFINE_GEMM(baton_gemm_f32, float, 1, bcast_f32, mac_f32, store_f32_row)
+DEFINE_GEMM(native_gemm_f32, float, 1, bcast_f32, mac_f32, store_f32_row)
 int baton_gemm_available(void) { return 1; }
+int baton_gemm_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
+                   float *out, int64_t ldo, int threads) {
+    return native_gemm_f32(x, m, k_len, packed, n, out, ldo, GLU_NONE, threads);
+}
+/* The gate/up GEMM and its GLU activation `act` at once: out [m, n] = act(gate) * up,
+ * where packed is the two weights packed as gemm.py's pack_glu lays them out. */
+int baton_gemm_glu_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
+                       float *out, int64_t ldo, int act, int threads) {
+    if (act != GLU_SILU && act != GLU_GELU_TANH) return 1;
+    return native_gemm_f32(x, m, k_len, packed, n, out, ldo, act, threads);
+}
 
 #if defined(__AVX512BF16__)
 INLINE __m512 bcast_bf16(const uint16_t *x) {
@@ -193,9 +229,17 @@ INLINE __m512 bcast_bf16(const uint16_t *x) {
 INLINE __m512 mac_bf16(__m512 acc, __m512 x, __m512 b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)b);
 }
-INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols) {
+/* rounded as store_bf16_row rounds (denormals kept), widened back */
+INLINE __m512 round_bf16_scalar(__m512 x) { return vwiden_bf16(vf32_to_bf16_scalar(x)); }
+DEFINE_GLU_ROW(glu_row_bf16, uint16_t, round_bf16_scalar, vround_bf16, vstore_bf16_mask)
+
+INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols, int act) {
     float row[PANEL];
     for (int v = 0; v < 3; v++) _mm512_storeu_ps(row + 16 * v, acc[v]);
+    if (act) {
+        glu_row_bf16(row, out, cols, act);
+        return;
+    }
     for (int64_t j = 0; j < cols; j++) out[j] = f32_to_bf16(row[j]);
 }
 
@@ -210,10 +254,20 @@ typedef struct {
     const float *c; /* the sums, PANEL floats a row */
     uint16_t *out;
     int64_t ldo, rows, cols, done; /* rows [done, rows) are still to write */
+    int act;                       /* GLU_NONE, or the GLU the sums are gate and up of */
 } Pending;
+
+/* glu_row_bf16 for sums rounded as the write-out below rounds them */
+DEFINE_GLU_ROW(glu_row_amx, uint16_t, vround_bf16, vround_bf16, vstore_bf16_mask)
 
 INLINE void pending_rows(Pending *w, int64_t count) {
     int64_t end = w->done + count < w->rows ? w->done + count : w->rows;
+    if (w->act) {
+        for (int64_t i = w->done; i < end; i++)
+            glu_row_amx(w->c + i * PANEL, w->out + i * w->ldo, w->cols, w->act);
+        w->done = end;
+        return;
+    }
     for (int64_t i = w->done; i < end; i++)
         for (int64_t j = 0; j < w->cols; j += 16) {
             __m256i v = vf32_to_bf16(_mm512_loadu_ps(w->c + i * PANEL + j));
@@ -339,10 +393,10 @@ static int64_t amx_group(int64_t panels, int64_t chunks, int64_t k_len, int thre
     return group < 1 ? 1 : group;
 }
 
-/* The AMX form of baton_gemm_bf16. */
+/* The AMX form of native_gemm_bf16 (act and n as there). */
 static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
-                    int64_t n, uint16_t *out, int64_t ldo, int threads) {
-    int64_t panels = (n + PANEL - 1) / PANEL;
+                    int64_t n, uint16_t *out, int64_t ldo, int act, int threads) {
+    const int64_t wide = act ? HALF : PANEL, panels = (n + wide - 1) / wide;
     int64_t full = m / AMX_ROWS * AMX_ROWS;
     const uint16_t *rest = NULL;
     if (m > full && (rest = padded_rows(x + full * k_len, m - full, k_len)) == NULL) return 2;
@@ -352,7 +406,7 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
     _Pragma("omp parallel num_threads(threads)") {
         float c[2][2 * AMX_ROWS * PANEL]; /* a block's sums, and the previous block's */
         int cur = 0;
-        Pending w = {.rows = 0, .done = 0};
+        Pending w = {.rows = 0, .done = 0, .act = act};
         amx_configure();
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < chunks * groups;
                                                      item++) {
@@ -366,14 +420,14 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
                 const uint16_t *a = r < full ? x + r * k_len : rest;
                 const uint16_t *a1 = r + AMX_ROWS < full ? a + AMX_ROWS * k_len : rest;
                 for (int64_t p = first; p < last; p++) {
-                    int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+                    int64_t cols = n - p * wide < wide ? n - p * wide : wide;
                     const uint16_t *panel = packed + p * k_len * PANEL;
                     if (rows > AMX_ROWS)
                         amx_block2(a, a1, k_len, k_len, panel, c[cur], &w);
                     else
                         amx_block(a, k_len, k_len, panel, c[cur], &w);
                     pending_rows(&w, w.rows); /* whatever the loop left */
-                    w = (Pending){c[cur], out + r * ldo + p * PANEL, ldo, rows, cols, 0};
+                    w = (Pending){c[cur], out + r * ldo + p * wide, ldo, rows, cols, 0, act};
                     cur ^= 1;
                 }
                 r += rows;
@@ -390,13 +444,23 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
 DEFINE_GEMM(native_gemm_bf16, uint16_t, 2, bcast_bf16, mac_bf16, store_bf16_row)
 
 /* Which arithmetic bf16 uses is a property of the machine and K, never of m. */
-int baton_gemm_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
-                    int64_t n, uint16_t *out, int64_t ldo, int threads) {
+static int gemm_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
+                     int64_t n, uint16_t *out, int64_t ldo, int act, int threads) {
 #if defined(HAVE_AMX)
     if (k_len > 0 && k_len % AMX_K == 0 && n > 0 && ldo >= n && m >= 0 && amx_permitted())
-        return m == 0 ? 0 : amx_gemm(x, m, k_len, packed, n, out, ldo, threads);
+        return m == 0 ? 0 : amx_gemm(x, m, k_len, packed, n, out, ldo, act, threads);
 #endif
-    return native_gemm_bf16(x, m, k_len, packed, n, out, ldo, threads);
+    return native_gemm_bf16(x, m, k_len, packed, n, out, ldo, act, threads);
+}
+int baton_gemm_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
+                    int64_t n, uint16_t *out, int64_t ldo, int threads) {
+    return gemm_bf16(x, m, k_len, packed, n, out, ldo, GLU_NONE, threads);
+}
+/* baton_gemm_glu_f32's bf16 form. */
+int baton_gemm_glu_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
+                        int64_t n, uint16_t *out, int64_t ldo, int act, int threads) {
+    if (act != GLU_SILU && act != GLU_GELU_TANH) return 1;
+    return gemm_bf16(x, m, k_len, packed, n, out, ldo, act, threads);
 }
 int baton_gemm_available_bf16(void) { return 1; }
 #endif
@@ -411,6 +475,11 @@ int baton_gemm_f32(const float *x, int64_t m, int64_t k_len, const float *packed
     (void)x, (void)m, (void)k_len, (void)packed, (void)n, (void)out, (void)ldo, (void)threads;
     return 1;
 }
+int baton_gemm_glu_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
+                       float *out, int64_t ldo, int act, int threads) {
+    (void)act;
+    return baton_gemm_f32(x, m, k_len, packed, n, out, ldo, threads);
+}
 #endif
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 int baton_gemm_available_bf16(void) { return 0; }
@@ -418,5 +487,10 @@ int baton_gemm_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
                     int64_t n, uint16_t *out, int64_t ldo, int threads) {
     (void)x, (void)m, (void)k_len, (void)packed, (void)n, (void)out, (void)ldo, (void)threads;
     return 1;
+}
+int baton_gemm_glu_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
+                        int64_t n, uint16_t *out, int64_t ldo, int act, int threads) {
+    (void)act;
+    return baton_gemm_bf16(x, m, k_len, packed, n, out, ldo, threads);
 }
 #endif

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from shared.kernels.binding import bind_dtypes, check_return, load_library, refu
 from shared.kernels.build import build_library
 
 SOURCE = Path(__file__).with_name("gemm.c")
+Glu = Literal["silu", "gelu_tanh"]
+GLU_CODES: dict[Glu, int] = {"silu": 1, "gelu_tanh": 2}  # vector_math.h's GLU_SILU, GLU_GELU_TANH
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -42,6 +45,9 @@ class GemmKernel:
                 self.dtypes.add(dtype)
         self._pack = bind_dtypes(lib, "baton_gemm_pack", [_P, _I, _I, _P])
         self._gemm = bind_dtypes(lib, "baton_gemm", [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int])
+        self._glu = bind_dtypes(
+            lib, "baton_gemm_glu", [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_int]
+        )
 
     @staticmethod
     def pair(dtype: torch.dtype) -> int:
@@ -70,6 +76,26 @@ class GemmKernel:
         self._pack[weight.dtype](w.data_ptr(), n, w.shape[1], packed.data_ptr())
         return packed
 
+    def pack_glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """A GLU's two weights (``[width, k]`` each) for :meth:`glu`: panel ``p`` holds
+        gate's rows ``[h p, h p + h)`` and then up's same rows (``h`` = half a panel,
+        rows past ``width`` zero), packed as :meth:`pack` packs."""
+        refuse("gemm pack_glu", [(gate.shape != up.shape or gate.dim() != 2, "gate/up shapes")])
+        half = self.panel // 2
+        width, k = gate.shape
+        panels = -(-width // half)
+        halves = [
+            F.pad(w, (0, 0, 0, panels * half - width)).view(panels, half, k) for w in (gate, up)
+        ]
+        return self.pack(torch.stack(halves, dim=1).view(-1, k))
+
+    def glu(self, x: torch.Tensor, packed: torch.Tensor, width: int, act: Glu) -> torch.Tensor:
+        """``act(x @ gate.T) * (x @ up.T)``, ``[m, width]``, of weights :meth:`pack_glu`
+        packed: bitwise what :meth:`__call__` on ``[gate | up]`` and then the pointwise
+        kernel's GLU give, without writing the gate and up products out."""
+        panels = -(-width // (self.panel // 2))
+        return self._run(self._glu, x, packed, width, panels, GLU_CODES[act])
+
     def rows(self, packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
         """Rows ``ids`` of the weight ``packed`` was packed from, ``[len(ids), in_features]``
         (exact copies: a tied embedding is looked up in the packed head, no dense copy)."""
@@ -83,9 +109,20 @@ class GemmKernel:
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """``x``: ``[m, k]`` in the packed weight's dtype; returns ``x @ w.T`` as
         a new ``[m, out_features]``."""
+        return self._run(self._gemm, x, packed, out_features, -(-out_features // self.panel))
+
+    def _run(
+        self,
+        entry: dict[torch.dtype, Any],
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        panels: int,
+        *act: int,
+    ) -> torch.Tensor:
         m = x.shape[0]
         x = _pad_k(x, self.pair(x.dtype))
-        panels, k = -(-out_features // self.panel), x.shape[1]
+        k = x.shape[1]
         refuse(
             "gemm kernel",
             [
@@ -98,7 +135,7 @@ class GemmKernel:
         out = torch.empty(m, out_features, dtype=x.dtype)
         if m == 0:
             return out
-        rc = self._gemm[x.dtype](
+        rc = entry[x.dtype](
             x.data_ptr(),
             m,
             k,
@@ -106,6 +143,7 @@ class GemmKernel:
             out_features,
             out.data_ptr(),
             out_features,
+            *act,
             torch.get_num_threads(),
         )
         check_return("gemm kernel", rc)

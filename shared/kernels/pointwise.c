@@ -37,7 +37,6 @@ INLINE float silu(float x) {
  * y = sqrt(2 / pi) (x + 0.044715 x^3), computed as x * sigmoid(2y), which is
  * the same function without the cancellation 1 + tanh(y) suffers for y << 0
  * (so bf16 results can differ from torch's by one unit in the last place). */
-#define GELU_K 0.7978845608028654f
 INLINE float gelu_tanh(float x) {
     float y2 = 2.f * GELU_K * (x + 0.044715f * x * x * x);
     float e = exp_nonpositive(y2 >= 0.f ? -y2 : y2);
@@ -150,25 +149,15 @@ INLINE float gelu_tanh(float x) {
     }
 
 #if defined(__AVX512F__)
-INLINE __m512 vsilu(__m512 x) {
-    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
-}
-INLINE __m512 vgelu_tanh(__m512 x) {
-    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-    __m512 y2 = _mm512_mul_ps(_mm512_set1_ps(2.f * GELU_K),
-                              _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
-    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(y2)));
-    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-    __mmask16 neg = _mm512_cmp_ps_mask(y2, _mm512_setzero_ps(), _CMP_LT_OQ);
-    return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
-}
-/* 16 outputs at a time; the scalar loop after it finishes the row */
+/* 16 outputs at a time, the row's last ones masked (every element through the vector
+ * form, as gemm.c's fused GLU computes them; vsilu and vgelu_tanh: vector_math.h) */
 #define GLU_VECTOR(VACT, VLOAD, VSTORE, VROUND)                                             \
-    for (; i + 16 <= width; i += 16)                                                        \
-        VSTORE(out + r * width + i, _mm512_mul_ps(VROUND(VACT(VLOAD(g + i))), VLOAD(u + i)));
+    for (; i < width; i += 16) {                                                            \
+        __mmask16 m = first_lanes(width - i);                                               \
+        VSTORE##_mask(out + r * width + i, m,                                               \
+                      _mm512_mul_ps(VROUND(VACT(VLOAD##_mask(g + i, m))),                   \
+                                    VLOAD##_mask(u + i, m)));                               \
+    }
 #else
 #define GLU_VECTOR(VACT, VLOAD, VSTORE, VROUND)
 #endif

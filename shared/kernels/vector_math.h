@@ -21,6 +21,12 @@ INLINE uint16_t f32_to_bf16(float f) {
 INLINE float load_f32(float x) { return x; }
 INLINE float store_f32(float x) { return x; }
 
+/* The gated activations of a GLU MLP (pointwise.c's silu * up and gelu * up; gemm.c
+ * fuses them into the gate/up GEMM with the same vector functions below, so the fused
+ * form gives the same bits). */
+enum { GLU_NONE = 0, GLU_SILU = 1, GLU_GELU_TANH = 2 };
+#define GELU_K 0.7978845608028654f /* sqrt(2 / pi) */
+
 /* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction and a
  * degree-6 polynomial, within 2 ulp; plain arithmetic so loops of it vectorize. */
 INLINE float exp_nonpositive(float x) {
@@ -73,10 +79,7 @@ INLINE __m512 vload_bf16(const uint16_t *p) {
  * went to two of these); it flushes fp32 denormals (below 1.2e-38) to zero, which
  * the scalar form keeps: each element always takes the same one of them (its place
  * in the row decides, never the batch), so rows still match across batches. */
-INLINE __m256i vf32_to_bf16(__m512 x) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(x);
-#else
+INLINE __m256i vf32_to_bf16_scalar(__m512 x) { /* f32_to_bf16's bits exactly */
     __m512i u = _mm512_castps_si512(x);
     __m512i high = _mm512_srli_epi32(u, 16);
     __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
@@ -85,18 +88,61 @@ INLINE __m256i vf32_to_bf16(__m512 x) {
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
+}
+INLINE __m256i vf32_to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    return vf32_to_bf16_scalar(x);
 #endif
 }
 INLINE void vstore_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
 INLINE void vstore_bf16(uint16_t *p, __m512 x) {
     _mm256_storeu_si256((__m256i *)p, vf32_to_bf16(x));
 }
-/* x rounded to bf16 precision, kept as fp32 */
-INLINE __m512 vround_f32(__m512 x) { return x; }
-INLINE __m512 vround_bf16(__m512 x) {
-    __m512i w = _mm512_cvtepu16_epi32(vf32_to_bf16(x));
+/* The lanes `m` of 16 values (the rest read as zero, written not at all). */
+INLINE __m512 vload_f32_mask(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+INLINE __m512 vload_bf16_mask(const uint16_t *p, __mmask16 m) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+INLINE void vstore_f32_mask(float *p, __mmask16 m, __m512 x) { _mm512_mask_storeu_ps(p, m, x); }
+INLINE void vstore_bf16_mask(uint16_t *p, __mmask16 m, __m512 x) {
+    _mm256_mask_storeu_epi16(p, m, vf32_to_bf16(x));
+}
+/* The first `n` of 16 lanes (all for n >= 16). */
+INLINE __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+/* bf16 values widened to fp32 (exact) */
+INLINE __m512 vwiden_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* x rounded to bf16 precision, kept as fp32 */
+INLINE __m512 vround_f32(__m512 x) { return x; }
+INLINE __m512 vround_bf16(__m512 x) { return vwiden_bf16(vf32_to_bf16(x)); }
+
+
+/* silu(x) = x / (1 + e^-x) for x >= 0 and x e^x / (1 + e^x) below. */
+INLINE __m512 vsilu(__m512 x) {
+    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
+}
+/* GELU's tanh approximation as x * sigmoid(2y), y = sqrt(2 / pi) (x + 0.044715 x^3)
+ * (see pointwise.c) */
+INLINE __m512 vgelu_tanh(__m512 x) {
+    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    __m512 y2 = _mm512_mul_ps(_mm512_set1_ps(2.f * GELU_K),
+                              _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+    __m512 e = vexp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(y2)));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(y2, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_div_ps(_mm512_mask_mul_ps(x, neg, x, e), den);
+}
+/* The activation `act` (GLU_SILU or GLU_GELU_TANH) of gate values. */
+INLINE __m512 vglu_act(int act, __m512 x) { return act == GLU_SILU ? vsilu(x) : vgelu_tanh(x); }
 
 #endif
 #endif

@@ -31,7 +31,7 @@ class LayerWeights:
     qkv: PackedWeight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o_proj: PackedWeight
     post_norm: torch.Tensor  # before the MLP
-    gate_up: PackedWeight  # [2 * intermediate, hidden]
+    gate_up: PackedWeight  # [2 * intermediate, hidden], packed by Linear.pack_glu
     down: PackedWeight
     # Gemma 3 only: RMSNorm of each query and key head, and of the attention's and
     # the MLP's outputs before their residual adds (None elsewhere)
@@ -152,7 +152,7 @@ def pack_projections(
     return Projections(
         qkv=linear.pack(torch.cat([q, k, v])),
         o_proj=linear.pack(get(p + "self_attn.o_proj.weight")),
-        gate_up=linear.pack(torch.cat([gate, up])),
+        gate_up=linear.pack_glu(gate, up),
         down=linear.pack(get(p + "mlp.down_proj.weight")),
     )
 

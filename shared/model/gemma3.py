@@ -163,7 +163,7 @@ class Gemma3Model(DecoderModel):
             o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)
             h = h + ops.rms_norm(o, norms.attn_out, eps)
             x = ops.rms_norm(h, lw.post_norm, eps)
-            mlp = self.gemm(ops.gelu_tanh_mul(self.gemm(x, lw.gate_up)), lw.down)
+            mlp = self.gemm(self.gemm.glu(x, lw.gate_up, "gelu_tanh", ops), lw.down)
             h = h + ops.rms_norm(mlp, norms.mlp_out, eps)
         last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

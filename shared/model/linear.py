@@ -28,14 +28,18 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from shared.config import LinearBackend
 from shared.errors import ConfigError, KernelBuildError
-from shared.kernels.gemm import GemmKernel
+from shared.kernels.gemm import GemmKernel, Glu
 from shared.kernels.triton_support import kernels_problem
+
+if TYPE_CHECKING:
+    from shared.model.pointwise import Pointwise
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +53,13 @@ SMALL_GEMM_PAD_TO = 4
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight as one :class:`Linear` packed it: ``data`` is in that backend's
-    own layout; the logical shape is ``[out_features, in_features]``."""
+    own layout; the logical shape is ``[out_features, in_features]``. ``glu``: a GLU's
+    ``[gate | up]`` as :meth:`Linear.pack_glu` packed it, for :meth:`Linear.glu` only."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
+    glu: bool = False
 
 
 class Linear(ABC):
@@ -68,6 +74,16 @@ class Linear(ABC):
     @abstractmethod
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         """``x``: ``[rows, in]``; returns ``x @ weight.T`` as a new ``[rows, out]`` tensor."""
+
+    def pack_glu(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
+        """A GLU MLP's gate and up weights (``[width, in]`` each), for :meth:`glu`."""
+        return self.pack(torch.cat([gate, up]))
+
+    def glu(self, x: torch.Tensor, packed: PackedWeight, act: Glu, ops: Pointwise) -> torch.Tensor:
+        """``act(x @ gate.T) * (x @ up.T)`` as a new ``[rows, width]``: here the GEMM of
+        ``[gate | up]``, then ``ops``' activation and product."""
+        gate_up = self(x, packed)
+        return ops.silu_mul(gate_up) if act == "silu" else ops.gelu_tanh_mul(gate_up)
 
     def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the dense weight as a new ``[len(ids), in]`` tensor, read from
@@ -112,7 +128,10 @@ class TorchLinear(Linear):
 
 class NativeLinear(Linear):
     """The panel kernel: fp32 on AVX-512, bf16 on AVX512-BF16. :meth:`load`
-    builds it or says why not."""
+    builds it or says why not. Its :meth:`glu` is one pass: each block of gate and
+    up sums goes through the activation as it is written out (the same vector
+    functions as :class:`~shared.model.pointwise.NativePointwise`'s, so the same
+    bits), instead of a ``[rows, 2 * width]`` product written and read again."""
 
     name = "native"
     reads_rows = True
@@ -124,7 +143,18 @@ class NativeLinear(Linear):
         return _packed(self.kernel.pack(weight), weight)
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+        if packed.glu:
+            raise ValueError("a weight packed for glu() is multiplied by glu() only")
         return self.kernel(x, packed.data, packed.out_features)
+
+    def pack_glu(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
+        data = self.kernel.pack_glu(gate, up)
+        return PackedWeight(data, 2 * gate.shape[0], gate.shape[1], glu=True)
+
+    def glu(self, x: torch.Tensor, packed: PackedWeight, act: Glu, ops: Pointwise) -> torch.Tensor:
+        if not packed.glu:
+            return super().glu(x, packed, act, ops)
+        return self.kernel.glu(x, packed.data, packed.out_features // 2, act)
 
     def rows(self, packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         return self.kernel.rows(packed.data, ids, packed.in_features)

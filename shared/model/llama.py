@@ -102,7 +102,7 @@ class LlamaModel(DecoderModel):
             x = ops.add_rms_norm_(
                 h, self.gemm(attn.reshape(n, q_dim), lw.o_proj), lw.post_norm, eps
             )
-            mlp = self.gemm(ops.silu_mul(self.gemm(x, lw.gate_up)), lw.down)
+            mlp = self.gemm(self.gemm.glu(x, lw.gate_up, "silu", ops), lw.down)
             if idx + 1 < len(layers):  # the next layer's input norm, with this add
                 x = ops.add_rms_norm_(h, mlp, layers[idx + 1].input_norm, eps)
             else:

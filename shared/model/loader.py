@@ -12,6 +12,7 @@ import torch
 from shared.config import LinearBackend, PointwiseBackend
 from shared.errors import ConfigError
 from shared.heap import release_freed_memory
+from shared.kernels.gemm import GemmKernel
 from shared.kv.layout import torch_dtype
 from shared.model import families, gemma3, llama
 from shared.model.arch import ModelArch
@@ -95,7 +96,7 @@ def load_resolved(
 
     tag = gemm.cache_tag()
     if packed_dir is not None and tag is not None and device == "cpu":
-        code = packing_code(pack_weights, type(gemm), DecoderModel, load_state_dict)
+        code = packing_code(pack_weights, type(gemm), GemmKernel, DecoderModel, load_state_dict)
         path = packed_path(
             packed_dir,
             resolved.name,

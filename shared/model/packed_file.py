@@ -170,7 +170,7 @@ def _write(w: ModelWeights, path: Path) -> None:
             "offset": offset,
         }
         if isinstance(item, PackedWeight):
-            entry["gemm"] = [item.out_features, item.in_features]
+            entry["gemm"] = [item.out_features, item.in_features, item.glu]
         entries.append(entry)
         tensors.append(t)
         offset = _align(offset + t.numel() * t.element_size())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.model.linear import PackedWeight
 from shared.model.loader import LoadedModel, load_model
 from tests.shared.model.forward import new_cache, prefill_logits
 
@@ -45,9 +46,9 @@ def test_a_prompt_prefilled_in_one_pass_equals_it_prefilled_in_chunks(
 
 
 def test_a_row_alone_equals_the_same_row_among_512(loaded: LoadedModel) -> None:
-    """Every weight shape of the model (fused QKV, O, fused gate/up, down, the head),
-    through the GEMM the engine picked: a row computed at M = 1, and inside M = 64,
-    equals the same row inside M = 512."""
+    """Every weight shape of the model (fused QKV, O, fused gate/up with its activation,
+    down, the head), through the GEMM the engine picked: a row computed at M = 1, and
+    inside M = 64, equals the same row inside M = 512."""
     model = loaded.model
     layer = model.layers[0]
     weights = {
@@ -59,9 +60,15 @@ def test_a_row_alone_equals_the_same_row_among_512(loaded: LoadedModel) -> None:
     }
     g = torch.Generator().manual_seed(5)
     for name, packed in weights.items():
+
+        def gemm(x: torch.Tensor, packed: PackedWeight = packed, name: str = name) -> torch.Tensor:
+            if name == "gate_up":
+                return model.gemm.glu(x, packed, "silu", model.ops)
+            return model.gemm(x, packed)
+
         x = torch.randn(512, packed.in_features, generator=g).to(model.dtype)
-        full = model.gemm(x, packed)
+        full = gemm(x)
         for row in (0, 1, 255, 511):
-            alone = model.gemm(x[row : row + 1].contiguous(), packed)
+            alone = gemm(x[row : row + 1].contiguous())
             assert torch.equal(alone[0], full[row]), (name, row)
-        assert torch.equal(model.gemm(x[200:264].contiguous(), packed), full[200:264]), name
+        assert torch.equal(gemm(x[200:264].contiguous()), full[200:264]), name

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shared.config import default_cache_dir
-from shared.kernels.gemm import GemmKernel
+from shared.kernels.gemm import GemmKernel, Glu
+from shared.kernels.pointwise import PointwiseKernel
 from tests.shared.kernels.compiler import has_compiler
 
 # (out_features, in_features): panel-aligned and ragged N, the model's K values, odd K
@@ -95,6 +96,30 @@ def test_strided_input_and_empty_batch(built: GemmKernel) -> None:
     wide = torch.cat([x, x], dim=1)[:, :64]  # rows 128 floats apart
     assert torch.equal(kernel(wide, packed, 100), kernel(x, packed, 100))
     assert kernel(x[:0], packed, 100).shape == (0, 100)
+
+
+@pytest.fixture(scope="module")
+def pointwise() -> PointwiseKernel:
+    return PointwiseKernel.build(default_cache_dir() / "kernels")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("width", "k"), [(1536, 576), (2048, 640), (100, 64), (40, 7)])
+def test_glu_is_the_gemm_then_the_pointwise_glu(
+    built: GemmKernel, pointwise: PointwiseKernel, dtype: torch.dtype, act: Glu, width: int, k: int
+) -> None:
+    """The fused gate/up GEMM and activation: bitwise the plain GEMM of [gate | up] and
+    then the pointwise kernel's GLU, at every row count (AMX or not: K decides), for
+    widths that fill the half panels and widths that do not."""
+    kernel = _kernel(built, dtype)
+    x, gate = _operands(301, width, k, dtype, seed=width)
+    up = _operands(1, width, k, dtype, seed=width + 1)[1] * 3
+    fused, plain = kernel.pack_glu(gate, up), kernel.pack(torch.cat([gate, up]))
+    glu = pointwise.silu_mul if act == "silu" else pointwise.gelu_tanh_mul
+    for rows in (1, 5, 17, 33, 301):
+        want = glu(kernel(x[:rows], plain, 2 * width))
+        assert torch.equal(kernel.glu(x[:rows], fused, width, act), want), rows
 
 
 def test_refusals(built: GemmKernel) -> None:
