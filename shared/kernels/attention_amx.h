@@ -163,7 +163,7 @@ INLINE int64_t rows_padded(int64_t rows, int amx) { return amx ? (rows + 15) / 1
 static void tile_body_amx(const int32_t *qs, int64_t rows, int64_t group, const int32_t *kt,
                           int64_t width, const uint16_t *k, const uint16_t *v,
                           const uint16_t *vt, uint16_t *out,
-                          int64_t q_tok_stride, const int64_t *table, int64_t len0, int64_t len,
+                          int64_t out_tok_stride, const int64_t *table, int64_t len0, int64_t len,
                           int64_t window, int64_t block_size, int64_t block_stride,
                           int64_t tok_stride, int64_t d, float scale, float *s, int64_t pad,
                           uint16_t *p, int64_t p_stride) {
@@ -188,7 +188,7 @@ static void tile_body_amx(const int32_t *qs, int64_t rows, int64_t group, const 
             int64_t r = r0 + i, len_r = len0 + r / group;
             inv[i] = row_softmax(s + r * pad, window_start(len_r, window), len_r, p + r * p_stride,
                                  p_stride - 2, scale);
-            outs[i] = out + (r / group) * q_tok_stride + (r % group) * d;
+            outs[i] = out + (r / group) * out_tok_stride + (r % group) * d;
         }
         int64_t end = len0 + (r0 + nr - 1) / group; /* the block's longest row */
         int64_t skip = window_start(len0 + r0 / group, window); /* its earliest window */

@@ -392,12 +392,13 @@ INLINE void scores_rows(const int32_t *q, int64_t nr, const int32_t *kt, int64_t
 
 #include "attention_amx.h" /* the AMX forms of the scores and values */
 
-/* A tile: `ntok` tokens (q rows q_tok_stride apart) times `group` query heads
+/* A tile: `ntok` tokens (q rows q_tok_stride apart, out rows out_tok_stride) times `group` query heads
  * (d apart); token tt's rows attend to keys 0 .. len0 + tt - 1, read through
  * kt (transposed keys, rows `width` pairs long) or, where kt is NULL (decode),
  * transposed here 64 keys at a time into a buffer that stays in L1; v via the
  * table. */
-INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int64_t group,
+INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t out_tok_stride,
+                      int64_t ntok, int64_t group,
                       const int32_t *kt, int64_t width, const uint16_t *k, const uint16_t *v,
                       const uint16_t *vt, uint16_t *out, const int64_t *table, int64_t len0, int64_t window,
                       int64_t block_size, int64_t block_stride, int64_t tok_stride,
@@ -415,7 +416,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
     memset(qs + rows * (d / 2), 0, sizeof(int32_t) * (size_t)((held - rows) * (d / 2)));
 #if defined(HAVE_AMX)
     if (amx) {
-        tile_body_amx(qs, rows, group, kt, width, k, v, vt, out, q_tok_stride, table, len0, len,
+        tile_body_amx(qs, rows, group, kt, width, k, v, vt, out, out_tok_stride, table, len0, len,
                       window, block_size, block_stride, tok_stride, d, scale, s, pad, p,
                       p_stride);
         return;
@@ -467,7 +468,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
                 uint16_t *outs[SCORE_ROWS];
                 for (int64_t i = 0; i < np; i++) {
                     int64_t r = first + i;
-                    outs[i] = out + (r / group) * q_tok_stride + (r % group) * d + c0;
+                    outs[i] = out + (r / group) * out_tok_stride + (r % group) * d + c0;
                 }
                 const uint16_t *vc = v + c0;
                 if (dv == 64 && np == 6) values_64_6(VALUES_ARGS);
@@ -482,6 +483,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t ntok, int
 
 /* noinline: decode and prefill run this one compiled copy. */
 __attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok_stride,
+                                                int64_t out_tok_stride,
                                                 int64_t ntok, int64_t group, const int32_t *kt,
                                                 int64_t width, const uint16_t *k,
                                                 const uint16_t *v, const uint16_t *vt,
@@ -492,7 +494,8 @@ __attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok
                                                 int64_t d, float scale, float *scratch,
                                                 int amx) {
 #define BODY(D)                                                                             \
-    tile_body(q, q_tok_stride, ntok, group, kt, width, k, v, vt, out, table, len0, window,   \
+    tile_body(q, q_tok_stride, out_tok_stride, ntok, group, kt, width, k, v, vt, out, table,   \
+              len0, window,                                                                 \
               block_size, block_stride, tok_stride, D, scale, scratch, amx)
     if (d == 64) BODY(64);
     else if (d == 128) BODY(128);

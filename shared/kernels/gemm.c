@@ -67,6 +67,22 @@ int baton_gemm_panel(void) { return PANEL; }
 DEFINE_PACK(baton_gemm_pack_f32, float, 1)
 DEFINE_PACK(baton_gemm_pack_bf16, uint16_t, 2)
 
+/* Rows ids[0..n) of the weight a pack above packed, each `steps` k steps long (a step:
+ * one fp32 value or one bf16 pair, 4 bytes either way), into out [n, steps]: the
+ * embedding lookup of a tied head. Returns 1, writing nothing, for an id outside
+ * [0, rows). */
+int baton_gemm_rows(const uint32_t *packed, int64_t steps, int64_t rows, const int64_t *ids,
+                    int64_t n, uint32_t *out, int threads) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return 1;
+    _Pragma("omp parallel for if (n >= 64) num_threads(threads) schedule(static)")
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t *col = packed + ids[i] / PANEL * steps * PANEL + ids[i] % PANEL;
+        for (int64_t j = 0; j < steps; j++) out[i * steps + j] = col[j * PANEL];
+    }
+    return 0;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

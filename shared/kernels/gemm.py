@@ -45,6 +45,9 @@ class GemmKernel:
                 self.dtypes.add(dtype)
         self._pack = bind_dtypes(lib, "baton_gemm_pack", [_P, _I, _I, _P])
         self._gemm = bind_dtypes(lib, "baton_gemm", [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int])
+        self._rows = lib.baton_gemm_rows
+        self._rows.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
+        self._rows.restype = ctypes.c_int
         self._glu = bind_dtypes(
             lib, "baton_gemm_glu", [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_int]
         )
@@ -99,11 +102,22 @@ class GemmKernel:
     def rows(self, packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
         """Rows ``ids`` of the weight ``packed`` was packed from, ``[len(ids), in_features]``
         (exact copies: a tied embedding is looked up in the packed head, no dense copy)."""
-        pair = self.pair(packed.dtype)
         panels, k, _ = packed.shape
-        grid = packed.view(panels, k // pair, self.panel, pair)
-        # advanced indices around a slice: the gathered dimension comes first
-        out = grid[ids // self.panel, :, ids % self.panel].reshape(ids.shape[0], k)
+        ids = ids.contiguous()
+        refuse(
+            "gemm rows",
+            [
+                (ids.dtype != torch.int64 or ids.dim() != 1, "ids must be a 1-d int64 tensor"),
+                (not packed.is_contiguous(), "packed layout"),
+            ],
+        )
+        out = torch.empty(ids.shape[0], k, dtype=packed.dtype)
+        steps = k // self.pair(packed.dtype)  # 4-byte units a row: an fp32 or a bf16 pair
+        rc = self._rows(
+            packed.data_ptr(), steps, panels * self.panel, ids.data_ptr(), ids.shape[0],
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        check_return("gemm rows", rc)
         return out if k == in_features else out[:, :in_features].contiguous()
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

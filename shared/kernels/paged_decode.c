@@ -385,7 +385,8 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
                 if (scratch == NULL || lens[b] <= 0) continue;
                 int64_t off = (b * heads + h * group) * d;
                 int64_t ks = window_start(lens[b], window) / align * align;
-                tile_bf16(q + off, heads * d, 1, group, NULL, 0, k + h * d, v + h * d, NULL,
+                tile_bf16(q + off, heads * d, heads * d, 1, group, NULL, 0, k + h * d,
+                          v + h * d, NULL,
                           out + off, tables + b * width + ks / block_size, lens[b] - ks,
                           window, block_size, block_stride, tok_stride, d, scale, scratch, amx);
             }
@@ -400,12 +401,12 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
  * block_size)); token t attends to tokens 0 ..= context_len - n + t. Each
  * (token, KV head) pair is a decode task over that many tokens. */
 #define DEFINE_PREFILL(NAME, TASK, T)                                                      \
-    int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *table, int64_t n, \
-             int64_t context_len, int64_t heads, int64_t kv_heads, int64_t d,             \
-             int64_t block_size, int64_t block_stride, float scale, int64_t window,       \
-             int threads) {                                                               \
-        if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0 ||        \
-            n <= 0 || n > context_len)                                                    \
+    int NAME(const T *q, int64_t q_stride, const T *k, const T *v, T *out,                \
+             const int64_t *table, int64_t n, int64_t context_len, int64_t heads,         \
+             int64_t kv_heads, int64_t d, int64_t block_size, int64_t block_stride,       \
+             int64_t num_blocks, float scale, int64_t window, int threads) {              \
+        if (prefill_refused(table, n, context_len, heads, kv_heads, d, block_size,        \
+                            num_blocks))                                                  \
             return 1;                                                                     \
         int64_t group = heads / kv_heads, tok_stride = kv_heads * d;                      \
         int64_t prefix = context_len - n;                                                 \
@@ -422,7 +423,7 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
                     if (scratch == NULL) continue;                                        \
                     int64_t off = (t * heads + h * group) * d;                            \
                     Span sp = window_span(prefix + t + 1, window, block_size);            \
-                    TASK(q + off, k + h * d, v + h * d, out + off,                        \
+                    TASK(q + t * q_stride + h * group * d, k + h * d, v + h * d, out + off, \
                          table + sp.skip / block_size, prefix + t + 1 - sp.skip, sp.first, \
                          block_size, block_stride, tok_stride, group, d, scale, scratch); \
                 }                                                                         \
@@ -431,6 +432,17 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
         return failed ? 2 : 0;                                                            \
     }
 
+/* A prefill's arguments it cannot take: shapes, or a block id outside the pool. */
+static int prefill_refused(const int64_t *table, int64_t n, int64_t context_len, int64_t heads,
+                           int64_t kv_heads, int64_t d, int64_t block_size, int64_t num_blocks) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0 || n <= 0 ||
+        n > context_len)
+        return 1;
+    for (int64_t i = 0; i < (context_len + block_size - 1) / block_size; i++)
+        if (table[i] < 0 || table[i] >= num_blocks) return 1;
+    return 0;
+}
+
 DEFINE_PREFILL(baton_paged_prefill_f32, task_f32, float)
 #if !defined(HAVE_ATTENTION_TILE)
 DEFINE_PREFILL(baton_paged_prefill_bf16, task_bf16, uint16_t)
@@ -438,17 +450,17 @@ DEFINE_PREFILL(baton_paged_prefill_bf16, task_bf16, uint16_t)
 DEFINE_PREFILL(prefill_bf16_untiled, task_bf16, uint16_t)
 /* bf16 prefill: each KV head's context keys transposed once, then tiles of
  * tile_tokens(group) consecutive prompt tokens per KV head, longest first. */
-int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                             uint16_t *out, const int64_t *table, int64_t n,
+int baton_paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                             const uint16_t *v, uint16_t *out, const int64_t *table, int64_t n,
                              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t d,
-                             int64_t block_size, int64_t block_stride, float scale,
-                             int64_t window, int threads) {
-    if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0 || n <= 0 ||
-        n > context_len)
+                             int64_t block_size, int64_t block_stride, int64_t num_blocks,
+                             float scale, int64_t window, int threads) {
+    if (prefill_refused(table, n, context_len, heads, kv_heads, d, block_size, num_blocks))
         return 1;
     if (!tile_supports(d, block_size))
-        return prefill_bf16_untiled(q, k, v, out, table, n, context_len, heads, kv_heads, d,
-                                    block_size, block_stride, scale, window, threads);
+        return prefill_bf16_untiled(q, q_stride, k, v, out, table, n, context_len, heads,
+                                    kv_heads, d, block_size, block_stride, num_blocks, scale,
+                                    window, threads);
     int amx = attention_amx(d);
     int64_t align = tile_align(block_size, amx);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, prefix = context_len - n;
@@ -496,7 +508,8 @@ int baton_paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_
                 int64_t off = (t0 * heads + h * group) * d;
                 /* keys from the first row's window on, at decode's aligned start */
                 int64_t ks = window_start(prefix + t0 + 1, window) / align * align;
-                tile_bf16(q + off, heads * d, nt, group, kt + h * head_keys + ks, kw,
+                tile_bf16(q + t0 * q_stride + h * group * d, q_stride, heads * d, nt, group,
+                          kt + h * head_keys + ks, kw,
                           k + h * d, v + h * d, vt != NULL ? vt + h * head_vals + ks * d : NULL,
                           out + off, table + ks / block_size,
                           prefix + t0 + 1 - ks, window, block_size, block_stride, tok_stride,

@@ -27,7 +27,25 @@ from shared.kernels.build import build_library
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
+_ARGTYPES = [
+    _P,
+    _I,
+    _P,
+    _P,
+    _P,
+    _P,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    ctypes.c_float,
+    _I,
+    ctypes.c_int,
+]
 
 
 class PagedPrefillKernel:
@@ -61,7 +79,8 @@ class PagedPrefillKernel:
         window: int | None = None,
     ) -> None:
         """``q``/``out``: ``[n, heads, head_dim]``, the newest ``n`` tokens of a
-        sequence of ``context_len``; ``table``: its int64 block ids; pools: one
+        sequence of ``context_len`` (``q``'s rows may be strided: the query heads of
+        fused QKV rows); ``table``: its int64 block ids; pools: one
         layer's ``[blocks, block_size, kv_heads, head_dim]`` views; ``window``: each
         token attends to its newest ``window`` tokens (None: all)."""
         n, heads, head_dim = q.shape
@@ -71,21 +90,19 @@ class PagedPrefillKernel:
             (q.device.type != "cpu", "tensors must be on the CPU"),
             (len({q.dtype, out.dtype, k_pool.dtype, v_pool.dtype}) != 1, "dtypes"),
             (not self.supports(q.dtype, head_dim), "dtype or head_dim unsupported"),
-            (not q.is_contiguous() or not out.is_contiguous(), "q and out must be contiguous"),
+            (q.stride()[1:] != (head_dim, 1), "q's heads must be contiguous in each row"),
+            (not out.is_contiguous(), "out must be contiguous"),
             (out.shape != q.shape or k_pool.shape[3] != head_dim, "q/out shape"),
             (heads % kv_heads != 0, "heads not a multiple of kv_heads"),
             (not 0 < n <= context_len, "query rows outside the context"),
             (window is not None and window <= 0, "window <= 0"),
             (table.dtype != torch.int64 or not table.is_contiguous(), "table must be int64"),
             (table.shape != (-(-context_len // block_size),), "table length"),
-            (
-                table.numel() > 0 and (int(table.min()) < 0 or int(table.max()) >= k_pool.shape[0]),
-                "table outside the pool",
-            ),
         ]
         refuse("paged prefill kernel", problems)
-        rc = self._entry[q.dtype](
+        rc = self._entry[q.dtype](  # refuses block ids outside the pool
             q.data_ptr(),
+            q.stride(0),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
             out.data_ptr(),
@@ -97,8 +114,9 @@ class PagedPrefillKernel:
             head_dim,
             block_size,
             k_pool.stride(0),
+            k_pool.shape[0],
             scale,
             window or 0,  # 0: no window
             torch.get_num_threads(),
         )
-        check_return("paged prefill kernel", rc)
+        check_return("paged prefill kernel (table outside the pool?)", rc)

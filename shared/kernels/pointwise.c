@@ -109,7 +109,8 @@ INLINE float gelu_tanh(float x) {
 
 /* Rotate-half RoPE in place on the first `heads` head_dim-wide slices of each
  * row (the query and key heads of a fused QKV row `stride` values long), by
- * row r's angles cos/sin[positions[r]] (tables [max_position, head_dim]). */
+ * row r's angles cos/sin[positions[r]] (tables [max_position, head_dim]). Returns
+ * 1, rotating nothing, for a position outside the tables. */
 #if defined(__AVX512F__)
 /* 16 pairs at a time, each element as the scalar loop computes it */
 #define ROPE_VECTOR(VLOAD, VSTORE, VROUND)                                                  \
@@ -127,8 +128,11 @@ INLINE float gelu_tanh(float x) {
 #define ROPE_VECTOR(VLOAD, VSTORE, VROUND)
 #endif
 #define DEFINE_ROPE(NAME, T, LOAD, STORE, ROUND, VLOAD, VSTORE, VROUND)                     \
-    void NAME(T *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d,              \
-              const T *cos_t, const T *sin_t, const int64_t *positions, int threads) {       \
+    int NAME(T *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d,               \
+             const T *cos_t, const T *sin_t, int64_t max_position, const int64_t *positions, \
+             int threads) {                                                                 \
+        for (int64_t r = 0; r < rows; r++)                                                  \
+            if (positions[r] < 0 || positions[r] >= max_position) return 1;                 \
         int64_t half = d / 2;                                                               \
         _Pragma(PARALLEL_ROWS)                                                              \
         for (int64_t r = 0; r < rows; r++) {                                                \
@@ -146,6 +150,7 @@ INLINE float gelu_tanh(float x) {
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
+        return 0;                                                                           \
     }
 
 #if defined(__AVX512F__)

@@ -46,7 +46,7 @@ class PointwiseKernel:
         self._add_rms_norm = bind_dtypes(
             lib, "baton_add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _T]
         )
-        self._rope = bind_dtypes(lib, "baton_rope", [_P, _I, _I, _I, _I, _P, _P, _P, _T])
+        self._rope = bind_dtypes(lib, "baton_rope", [_P, _I, _I, _I, _I, _P, _P, _I, _P, _T])
         self._head_rms_norm = bind_dtypes(
             lib, "baton_head_rms_norm", [_P, _I, _I, _I, _I, _P, _F, _T]
         )
@@ -126,13 +126,9 @@ class PointwiseKernel:
                 (cos.dtype != qkv.dtype or sin.dtype != qkv.dtype, "angle table dtype"),
                 (not cos.is_contiguous() or not sin.is_contiguous(), "angle tables contiguous"),
                 (positions.dtype != torch.int64 or positions.shape != (rows,), "positions"),
-                (
-                    rows > 0 and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]),
-                    "positions outside the tables",
-                ),
             ],
         )
-        self._rope[qkv.dtype](
+        rc = self._rope[qkv.dtype](  # refuses positions outside the tables
             qkv.data_ptr(),
             rows,
             qkv.shape[1],
@@ -140,9 +136,12 @@ class PointwiseKernel:
             head_dim,
             cos.data_ptr(),
             sin.data_ptr(),
+            cos.shape[0],
             positions.contiguous().data_ptr(),
             torch.get_num_threads(),
         )
+        if rc != 0:
+            raise ValueError("rope refused its arguments: positions outside the tables")
 
     def head_rms_norm_(
         self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float

@@ -187,6 +187,9 @@ def paged_attention(
     """``q``: ``[N, heads, head_dim]``, ``k``/``v``: ``[N, kv_heads, head_dim]`` (already
     written to the pools ``[blocks, block_size, kv_heads, head_dim]``). ``window``: each
     token attends to its ``window`` newest tokens only (itself included); None: to all."""
+    if not meta.decode and len(meta.prefills) == 1:  # a lone prompt: its rows are all the rows
+        seg = meta.prefills[0]
+        return impl.prefill(q, k, v, k_pool, v_pool, seg, scale, window)
     out = torch.empty_like(q)
     for g in meta.decode:
         out[g.start : g.end] = impl.decode(

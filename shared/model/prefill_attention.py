@@ -121,8 +121,7 @@ class NativePrefill(PrefillAttention):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # q's rows may be strided, out's are not
         self.kernel(q, k_pool, v_pool, seg.block_table, seg.context_len, scale, out, window=window)
         return out
 

@@ -122,6 +122,21 @@ def test_glu_is_the_gemm_then_the_pointwise_glu(
         assert torch.equal(kernel.glu(x[:rows], fused, width, act), want), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [576, 7])
+def test_rows_read_back_from_the_packing(built: GemmKernel, dtype: torch.dtype, k: int) -> None:
+    """A tied embedding's lookup in the packed head: exact copies of the dense rows, in
+    the ids' order, repeats and all (odd K: the padding column left out)."""
+    kernel = _kernel(built, dtype)
+    _, w = _operands(1, 100, k, dtype)
+    packed = kernel.pack(w)
+    ids = torch.tensor([0, 47, 48, 99, 5, 5, 73])
+    assert torch.equal(kernel.rows(packed, ids, k), w[ids])
+    assert kernel.rows(packed, ids[:0], k).shape == (0, k)
+    with pytest.raises(ValueError, match="gemm rows"):
+        kernel.rows(packed, torch.tensor([0, 144]), k)  # past the packed panels
+
+
 def test_refusals(built: GemmKernel) -> None:
     kernel = _kernel(built, torch.float32)
     x, w = _operands(4, 100, 64)
