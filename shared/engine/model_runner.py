@@ -137,6 +137,8 @@ def _translated(meta: AttentionMetadata, part_of: torch.Tensor) -> AttentionMeta
         slot_offsets=meta.slot_offsets,
         slot_runs=tuple(replace(r, block=int(part_of[r.block])) for r in meta.slot_runs),
         block_runs=tuple(BlockRun(r.row, part_of[r.blocks]) for r in meta.block_runs),
+        row_blocks=None if meta.row_blocks is None else part_of[meta.row_blocks],
+        row_offsets=meta.row_offsets,
         num_decodes=meta.num_decodes,
         decode=tuple(
             replace(g, batch=replace(g.batch, tables=part_of[g.batch.tables])) for g in meta.decode
@@ -157,6 +159,15 @@ def _metadata(
     """Where the step's rows write and read K/V (the slots of layer group 0)."""
     runs: list[SlotRun] = []
     segments: list[PrefillSegment] = []
+    slot_blocks = torch.tensor(
+        [s.request.slots[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
+        dtype=torch.long,
+        device=device,
+    )
+    slot_offsets = torch.tensor(
+        [(c - 1) % block_size for c in ctx], dtype=torch.long, device=device
+    )
+    row_blocks, row_offsets = [slot_blocks], [slot_offsets]
     for i, (s, row0) in enumerate(prefills):
         req = s.request
         start = req.num_computed_tokens
@@ -166,18 +177,17 @@ def _metadata(
         row_end = prefills[i + 1][1] if i + 1 < len(prefills) else num_rows
         blocks = torch.tensor(table[: -(-end // block_size)], device=device)
         segments.append(PrefillSegment(row0, row_end, blocks, end))
+        pos = torch.arange(start, end, device=device)
+        row_blocks.append(blocks[pos // block_size])
+        row_offsets.append(pos % block_size)
     partial, whole = split_whole_blocks(runs, block_size, device)
     return AttentionMetadata(
-        slot_blocks=torch.tensor(
-            [s.request.slots[(c - 1) // block_size] for s, c in zip(decodes, ctx, strict=True)],
-            dtype=torch.long,
-            device=device,
-        ),
-        slot_offsets=torch.tensor(
-            [(c - 1) % block_size for c in ctx], dtype=torch.long, device=device
-        ),
+        slot_blocks=slot_blocks,
+        slot_offsets=slot_offsets,
         slot_runs=tuple(partial),
         block_runs=tuple(whole),
+        row_blocks=torch.cat(row_blocks) if prefills else slot_blocks,
+        row_offsets=torch.cat(row_offsets) if prefills else slot_offsets,
         num_decodes=len(decodes),
         decode=decode_groups(decodes, ctx, block_size, device, split_decodes),
         prefills=tuple(segments),

@@ -116,6 +116,10 @@ class AttentionMetadata:
     decode: tuple[DecodeGroup, ...]  # decode rows in groups of similar context length
     prefills: tuple[PrefillSegment, ...]
     block_runs: tuple[BlockRun, ...] = ()  # prefill rows filling whole blocks: one copy per run
+    # every row's slot (decode rows, then prefill rows), for a writer that takes them all
+    # at once (DecodeAttention.writes_rows); None where the runner did not make them
+    row_blocks: torch.Tensor | None = None  # [N] int64
+    row_offsets: torch.Tensor | None = None  # [N] int64
     # the same rows addressed in the slots of each further layer group (sliding-window
     # layers' window parts, see shared.kv.layer_groups); () for a pool of one group
     window_groups: tuple[AttentionMetadata, ...] = ()
@@ -160,6 +164,9 @@ def write_kv(
     partly filled ones with a slice copy each (a per-token indexed write of a
     long prompt is ~10x slower on CPU).
     """
+    if decode.writes_rows and meta.row_blocks is not None and meta.row_offsets is not None:
+        decode.write(k_pool, v_pool, k, v, meta.row_blocks, meta.row_offsets)  # one call
+        return
     b = meta.num_decodes
     if b:
         decode.write(k_pool, v_pool, k[:b], v[:b], meta.slot_blocks, meta.slot_offsets)

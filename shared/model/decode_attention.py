@@ -41,6 +41,9 @@ class DecodeAttention(ABC):
     # whether a call costs the widest row's length for every row (then the runner
     # groups rows of similar context length into separate calls)
     pads_to_width: bool
+    # whether write() stores a long prompt's rows as fast as block copies do (then
+    # write_kv hands it every row of a batch in one call)
+    writes_rows: bool = False
 
     @abstractmethod
     def __call__(
@@ -77,6 +80,7 @@ class NativeDecode(DecodeAttention):
 
     name = "native"
     pads_to_width = False
+    writes_rows = True
 
     def __init__(self, kernel: PagedDecodeKernel):
         self.kernel = kernel
