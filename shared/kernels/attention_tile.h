@@ -264,6 +264,16 @@ INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p
         vmx = _mm512_mask_max_ps(vmx, keys_from(t, first), vmx, _mm512_loadu_ps(s + t));
         t += 16;
     }
+    /* four running maxima (max is exact: any order gives the same bits), so the loop is
+     * not held to one vmaxps latency per 16 keys */
+    __m512 vmx1 = vmx, vmx2 = vmx, vmx3 = vmx;
+    for (; t + 64 <= full; t += 64) {
+        vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
+        vmx1 = _mm512_max_ps(vmx1, _mm512_loadu_ps(s + t + 16));
+        vmx2 = _mm512_max_ps(vmx2, _mm512_loadu_ps(s + t + 32));
+        vmx3 = _mm512_max_ps(vmx3, _mm512_loadu_ps(s + t + 48));
+    }
+    vmx = _mm512_max_ps(_mm512_max_ps(vmx, vmx1), _mm512_max_ps(vmx2, vmx3));
     for (; t < full; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
     if (tail) {
         __mmask16 m = tail & keys_from(full, first);
@@ -273,15 +283,29 @@ INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p
     const __m512 vscale = _mm512_set1_ps(scale);
     __m512 acc = _mm512_setzero_ps();
     for (t = 0; t < lead; t += 16) _mm256_storeu_si256((__m256i *)(p + t), _mm256_setzero_si256());
+    /* the window's first vector and the row's last are masked; those between are whole */
+#define SOFTMAX_KEYS(LOAD, KEEP)                                                            \
+    do {                                                                                    \
+        __m512 x = _mm512_mul_ps(LOAD, vscale);                                             \
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(KEEP(vexp_nonpositive(_mm512_sub_ps(x, mx)))); \
+        _mm256_storeu_si256((__m256i *)(p + t), h);                                         \
+        acc = _mm512_add_ps(acc, vwiden_bf16(h));                                           \
+    } while (0)
+#define KEEP_LIVE(e) _mm512_maskz_mov_ps(live, e)
+#define KEEP_ALL(e) (e)
     for (t = lead; t < len; t += 16) {
         __mmask16 live = t < full ? (__mmask16)0xffff : tail;
         if (t == lead) live &= keys_from(t, first);
-        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), vscale);
-        __m512 e = vexp_nonpositive(_mm512_sub_ps(x, mx));
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, e));
-        _mm256_storeu_si256((__m256i *)(p + t), h);
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        if (live == (__mmask16)0xffff && t != lead) {
+            for (; t + 16 <= full; t += 16) SOFTMAX_KEYS(_mm512_loadu_ps(s + t), KEEP_ALL);
+            if (t >= len) break;
+            live = tail;
+        }
+        SOFTMAX_KEYS(_mm512_maskz_loadu_ps(live, s + t), KEEP_LIVE);
     }
+#undef SOFTMAX_KEYS
+#undef KEEP_LIVE
+#undef KEEP_ALL
     for (int64_t t = keys_padded(len); t < width + 2; t++) p[t] = 0;
     /* lanes added in a fixed tree: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
     acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
