@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Pick, Router
 from services.gateway.worker_stream import LOST, WorkerStream
+from shared.cluster.membership import Member
 from shared.cluster.watermarks import Watermark, Watermarks
 from shared.serving.background import Background
 from shared.serving.errors import ServiceError
@@ -60,6 +61,14 @@ class FailoverPolicy:
     silence_s: float = 0.75
     failover_timeout_s: float = 60.0  # give up when no instance took the request for this long
     max_resumes: int = 16  # a request that keeps failing everywhere is not a failover
+
+
+def _excluded(dead: Member, stop: _Interrupted) -> set[str]:
+    """Where a resume's retries must not go: the instance that failed, unless it only
+    stalled (silent, but still registered: a long swap or load kept its event loop
+    busy). With no other instance left, that one takes the request back once its bench
+    ends, instead of the request failing for want of a second decode instance."""
+    return set() if stop.reason == "stalled" else {dead.instance_id}
 
 
 class _Interrupted(Exception):
@@ -229,7 +238,7 @@ class DecodeSession:
                         code="no_live_instance",
                     ) from exc
                 await asyncio.sleep(RETRY_S)
-                tried = {dead.instance_id}  # others may have come back meanwhile
+                tried = _excluded(dead, stop)  # others may have come back meanwhile
 
     async def _watermark(self, stop: _Interrupted) -> Watermark | None:
         """The furthest stored KV: the instance's last word (drain), its watermark in
