@@ -27,25 +27,9 @@ from shared.kernels.build import build_library
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = [
-    _P,
-    _I,
-    _P,
-    _P,
-    _P,
-    _P,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    ctypes.c_float,
-    _I,
-    ctypes.c_int,
-]
+# q, q's row stride, k, v, out, table, n, context_len, heads, kv_heads, head_dim,
+# block_size, block_stride, num_blocks, scale, window, threads
+_ARGTYPES = [_P, _I, _P, _P, _P, _P, *[_I] * 8, ctypes.c_float, _I, ctypes.c_int]
 
 
 class PagedPrefillKernel:
