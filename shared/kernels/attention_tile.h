@@ -293,14 +293,15 @@ INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p
     } while (0)
 #define KEEP_LIVE(e) _mm512_maskz_mov_ps(live, e)
 #define KEEP_ALL(e) (e)
-    for (t = lead; t < len; t += 16) {
-        __mmask16 live = t < full ? (__mmask16)0xffff : tail;
-        if (t == lead) live &= keys_from(t, first);
-        if (live == (__mmask16)0xffff && t != lead) {
-            for (; t + 16 <= full; t += 16) SOFTMAX_KEYS(_mm512_loadu_ps(s + t), KEEP_ALL);
-            if (t >= len) break;
-            live = tail;
-        }
+    t = lead;
+    if (t < len) {
+        __mmask16 live = (t < full ? (__mmask16)0xffff : tail) & keys_from(t, first);
+        SOFTMAX_KEYS(_mm512_maskz_loadu_ps(live, s + t), KEEP_LIVE);
+        t += 16;
+    }
+    for (; t < full; t += 16) SOFTMAX_KEYS(_mm512_loadu_ps(s + t), KEEP_ALL);
+    if (t < len) {
+        __mmask16 live = tail;
         SOFTMAX_KEYS(_mm512_maskz_loadu_ps(live, s + t), KEEP_LIVE);
     }
 #undef SOFTMAX_KEYS
@@ -416,14 +417,13 @@ INLINE void scores_rows(const int32_t *q, int64_t nr, const int32_t *kt, int64_t
 
 #include "attention_amx.h" /* the AMX forms of the scores and values */
 
-/* A tile: `ntok` tokens (q rows q_tok_stride apart, out rows out_tok_stride) times `group` query heads
- * (d apart); token tt's rows attend to keys 0 .. len0 + tt - 1, read through
+/* A tile: `ntok` tokens (q rows q_tok_stride apart, out rows out_tok_stride apart)
+ * times `group` query heads (d apart); token tt's rows attend to keys 0 .. len0 + tt - 1, read through
  * kt (transposed keys, rows `width` pairs long) or, where kt is NULL (decode),
  * transposed here 64 keys at a time into a buffer that stays in L1; v via the
  * table. */
 INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t out_tok_stride,
-                      int64_t ntok, int64_t group,
-                      const int32_t *kt, int64_t width, const uint16_t *k, const uint16_t *v,
+                      int64_t ntok, int64_t group, const int32_t *kt, int64_t width, const uint16_t *k, const uint16_t *v,
                       const uint16_t *vt, uint16_t *out, const int64_t *table, int64_t len0, int64_t window,
                       int64_t block_size, int64_t block_stride, int64_t tok_stride,
                       const int64_t d, float scale, float *scratch, int amx) {
@@ -518,9 +518,8 @@ __attribute__((noinline)) static void tile_bf16(const uint16_t *q, int64_t q_tok
                                                 int64_t d, float scale, float *scratch,
                                                 int amx) {
 #define BODY(D)                                                                             \
-    tile_body(q, q_tok_stride, out_tok_stride, ntok, group, kt, width, k, v, vt, out, table,   \
-              len0, window,                                                                 \
-              block_size, block_stride, tok_stride, D, scale, scratch, amx)
+    tile_body(q, q_tok_stride, out_tok_stride, ntok, group, kt, width, k, v, vt, out, table, \
+              len0, window, block_size, block_stride, tok_stride, D, scale, scratch, amx)
     if (d == 64) BODY(64);
     else if (d == 128) BODY(128);
     else BODY(d);

@@ -494,7 +494,7 @@ int baton_gemm_f32(const float *x, int64_t m, int64_t k_len, const float *packed
 int baton_gemm_glu_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
                        float *out, int64_t ldo, int act, int threads) {
     (void)act;
-    return baton_gemm_f32(x, m, k_len, packed, n, out, ldo, threads);
+    return baton_gemm_f32(x, m, k_len, packed, n, out, ldo, threads); /* 1: refused */
 }
 #endif
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
@@ -507,6 +507,6 @@ int baton_gemm_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
 int baton_gemm_glu_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
                         int64_t n, uint16_t *out, int64_t ldo, int act, int threads) {
     (void)act;
-    return baton_gemm_bf16(x, m, k_len, packed, n, out, ldo, threads);
+    return baton_gemm_bf16(x, m, k_len, packed, n, out, ldo, threads); /* 1: refused */
 }
 #endif
