@@ -16,6 +16,7 @@
  * Built on first use by shared/kernels/build.py, called through ctypes.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "vector_math.h"
