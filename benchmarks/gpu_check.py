@@ -37,6 +37,7 @@ from benchmarks.gpu_cluster_check import failover_check, guarded, reference_engi
 from benchmarks.gpu_model_check import graph_check, invariance_check, transformers_check
 from shared.config import BatonSettings
 from shared.engine.engine import Engine
+from shared.hardware import cpu_model
 
 CUDA_TESTS = (
     "tests/shared/kernels/test_triton_kernels.py",
@@ -63,10 +64,7 @@ def device_info() -> dict[str, Any]:
             "capability": f"{props.major}.{props.minor}",
             "gpu_memory_gib": round(props.total_memory / (1 << 30), 1),
         }
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), platform.processor(),
-    )  # fmt: skip
+    cpu = cpu_model()
     try:
         import triton
 

@@ -48,6 +48,7 @@ import redis.asyncio as aioredis
 from benchmarks.results import save_json
 from services.kvstore.arena import cuda_present
 from shared.cluster.keys import Keys
+from shared.hardware import cpu_model
 from shared.kvstore.client import KVStoreClient
 from shared.procs import RedisProcess, ServiceProcess, free_port, free_ports
 from shared.transport import make_transport
@@ -313,15 +314,6 @@ def gpu_copies(mb: int = 256, repeats: int = 10) -> dict[str, Any]:
         arena.close()
 
 
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else "unknown"
-
-
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
@@ -384,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for kind in KINDS:
                 ratios[f"shm_{kind}_vs_{base}"] = gbps[f"shm_{kind}"] / gbps[f"{base}_{kind}"]
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "local_client": local,
         "bytes": nbytes,
         "blocks": nblocks,

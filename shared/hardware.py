@@ -8,6 +8,7 @@ named.
 from __future__ import annotations
 
 import functools
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,19 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         if key.strip() == "flags":
             return frozenset(value.split())
     return frozenset()
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name (benchmarks and test runs name the host they ran on)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 @dataclass(frozen=True)

@@ -19,21 +19,11 @@ from shared.config import (
 )
 from shared.engine.engine import Engine
 from shared.engine.kv_connector import KVConnector
-from shared.hardware import cpu_flags
+from shared.hardware import cpu_flags, cpu_model
 from shared.model.loader import LoadedModel, load_model
 from shared.procs import RedisProcess
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -41,7 +31,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     a failure seen only in CI's tail says which machine it came from."""
     flags = cpu_flags()
     have = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
-    terminalreporter.write_line(f"host: {_cpu_model()}, {os.cpu_count()} CPUs; {have}")
+    terminalreporter.write_line(f"host: {cpu_model()}, {os.cpu_count()} CPUs; {have}")
 
 
 CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

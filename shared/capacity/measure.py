@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import asyncio
-import platform
 import random
 import statistics
 import time
@@ -27,6 +26,7 @@ import numpy as np
 from shared.capacity.profile import DecodePoint, PrefillPoint, Profile
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
+from shared.hardware import cpu_model
 from shared.transport import make_transport
 from shared.transport.base import Connection
 
@@ -153,7 +153,7 @@ def measure(
     return Profile(
         model=engine.loaded.name,
         dtype=layout.dtype,
-        cpu=_cpu_name(),
+        cpu=cpu_model(),
         block_size=layout.block_size,
         kv_bytes_per_token=layout.bytes_per_token,
         transfer_bytes_s=speed,
@@ -164,14 +164,3 @@ def measure(
         kv_window=(groups.window or 0) if groups.windowed else 0,
         kv_window_bytes_per_token=groups.window_bytes_per_token(layout.bytes_per_token),
     )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
