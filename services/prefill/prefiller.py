@@ -2,8 +2,9 @@
 KV to the store as it is computed.
 
 Per request: the KV-store connector leases the longest cached prefix the store
-holds and opens the two-phase put of the prompt's blocks -> ``accepted`` with
-the store ids (the decode side starts pulling) -> the engine reuses the prefix
+holds and opens the two-phase put of the prompt's blocks (its reservation
+resolves while the prompt computes) -> ``accepted`` with the store ids (the
+decode side starts pulling) -> the engine reuses the prefix
 from its own pool, loads the rest of it from the store (layer by layer,
 overlapped with computing the new tokens) and computes the rest (batched FCFS
 under the token budget, chunked when long), while the connector writes every
@@ -108,11 +109,11 @@ class Prefiller(Worker):
 
     def _kv_after_first_token(self, plan: StorePlan, whole: bool) -> bool:
         """Whether none of the prompt's KV can reach a decode before its first token:
-        the store holds none of its blocks, and they will be sent whole at the end (a
-        short prompt, or steps on every core). A connector without the layer-by-layer
-        choice (a mixed instance's) always streams."""
-        job = plan.put_job
-        if job is None or len(job.needed) < len(job.ids):
+        the store holds none of its blocks (the lease found no cached prefix), and they
+        will be sent whole at the end (a short prompt, or steps on every core). A
+        connector without the layer-by-layer choice (a mixed instance's) always
+        streams."""
+        if plan.put_job is None or plan.load_ids:
             return False  # a decode can pull the blocks the store already has
         return whole or (self.connector.layerwise is not None and not self.connector.layerwise())
 

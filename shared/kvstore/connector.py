@@ -6,7 +6,9 @@ request reaches the engine); the engine loads it inside the request's first
 step, layer ``i`` landing while layer ``i - 1`` computes, if pulling is
 cheaper than recomputing (:class:`PullCost`). Every prompt block the store
 lacks is written into a two-phase put as soon as its layer is final, and the
-put commits once all of them are in.
+put commits once all of them are in; the put's reservation is not waited for
+before the request computes (blocks final before it is back are copied out and
+sent once it is).
 
 Decode: the prompt's blocks are loaded asynchronously (the store serves layers
 while prefill still writes them), except those the local pool already holds;
@@ -153,9 +155,13 @@ class KVStoreConnector(KVConnector):
     ) -> StorePlan:
         """Lease the longest cached prefix the store holds and open the put of the
         prompt's blocks (content-addressed when caching, else request-scoped).
-        ``hold_staged``: staged whole blocks wait for ``put_job.send_staged``, which
-        the caller must set (once the first token left, and whatever happens: the put
-        neither commits nor ends before)."""
+        Returns once the lease is settled (the engine must know what it loads); the
+        put's reservation goes out at once too but is waited for by its writer only,
+        so its round trip overlaps the prompt's compute instead of preceding it (a
+        store that refuses it fails the put, not the prompt). ``hold_staged``: staged
+        whole blocks wait for ``put_job.send_staged``, which the caller must set (once
+        the first token left, and whatever happens: the put neither commits nor ends
+        before)."""
         plan = StorePlan()
         bs = self.layout.block_size
         keys = [k.hex() for k in req.block_keys]
@@ -168,42 +174,44 @@ class KVStoreConnector(KVConnector):
         ids = keys if self.caching else [uuid.uuid4().hex for _ in keys]
         if req.num_prompt_tokens % bs:
             ids.append(uuid.uuid4().hex)  # the partial tail is request-scoped
-        try:
-            put = await self.kv.begin_put(
+        reserved = asyncio.ensure_future(
+            self.kv.begin_put(
                 ids,
                 [self.layout.block_bytes] * len(ids),
                 num_layers=self.layout.num_layers,
                 ttl_s=self.put_ttl_s,
             )
-        except BaseException:
-            if leasing is not None:
-                await _drop_lease(leasing)
-            raise
+        )
+        reserved.add_done_callback(retrieve)  # its writer or end_put reports a failure
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        committed.add_done_callback(retrieve)  # a failure nobody awaits is not an error
+        every = frozenset(range(len(ids)))  # until the store says which it lacks
+        job = PutJob(req.request_id, reserved, ids, every, whole_blocks, committed)
         if leasing is not None:
             try:
                 plan.lease, plan.load_ids = await leasing
             except BaseException:
-                await asyncio.shield(put.revoke())
+                await asyncio.shield(self.tasks.end_put(job))
                 await _drop_lease(leasing)
                 raise
-        needed = {i for _, wanted in put.targets.values() for i in wanted}
-        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committed.add_done_callback(retrieve)  # a failure nobody awaits is not an error
-        job = PutJob(
-            req.request_id,
-            put,
-            ids,
-            frozenset(p for p, i in enumerate(ids) if i in needed),
-            whole_blocks,
-            committed,
-        )
         if hold_staged:
             job.send_staged.clear()
+        reserved.add_done_callback(lambda _: self._reserved(job))
         job.writer = self.tasks.spawn(self.tasks.writer(job), f"kv-put:{req.request_id}")
-        if job.complete:  # the store holds every block already
-            self.tasks.spawn(self.tasks.commit(job), f"kv-put-commit:{req.request_id}")
         plan.put_job = job
         return plan
+
+    def _reserved(self, job: PutJob) -> None:
+        """The put's reservation came back: only the blocks the store lacks are needed
+        now; commit at once if it holds every one already (a failed reservation fails
+        the job at its writer)."""
+        if job.reserved.cancelled() or job.reserved.exception() is not None:
+            return
+        put = job.reserved.result()
+        wanted = {i for _, mine in put.targets.values() for i in mine}
+        job.needed = frozenset(p for p, i in enumerate(job.ids) if i in wanted)
+        if job.complete and not job.failed:
+            self.tasks.spawn(self.tasks.commit(job), f"kv-put-commit:{job.request_id}")
 
     def plan_decode(self, store_ids: Sequence[str], tokens: int, wait_s: float) -> StorePlan:
         """The request's first ``tokens`` of KV come from the store (as prefill writes
@@ -340,11 +348,19 @@ class KVStoreConnector(KVConnector):
             if whole:
                 item = LayerItem(None, idxs, self._whole_blocks(job, slots))
             elif job.holds_copies and not job.send_staged.is_set():
+                # copied out: a write of the pool's bytes would queue behind the copies
+                # held for the first token, and the step would wait for it
                 rows = self.copies.staging(len(slots), self.layout.layer_bytes)
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer, out=rows))
+            elif not job.reserved.done():  # read across threads: set once
+                # copied out too (the write waits for the put's reservation, the step
+                # must not), but sent as soon as the reservation is back
+                rows = self.copies.staging(len(slots), self.layout.layer_bytes)
+                copy = self.copies.from_pool(slots, layer, out=rows)
+                item = LayerItem(layer, idxs, copy, staged_for_reservation=True)
             else:
                 item = LayerItem(layer, idxs, self.copies.from_pool(slots, layer))
-            if not item.copy.reads_pool and not job.send_staged.is_set():
+            if item.held and not job.send_staged.is_set():
                 job.holds_copies |= whole
                 job.held_bytes += sum(b.numel() for b in item.copy.buffers)
                 if job.held_bytes > MAX_HELD_BYTES:  # too much host memory: send them now
@@ -355,13 +371,14 @@ class KVStoreConnector(KVConnector):
         """A put's whole blocks: copied into staging buffers when enough are free (a
         memcpy here, and the step ends without waiting for the store), else the slots'
         own bytes (a CUDA pool's go by DMA), which end_step waits for; but while the
-        put holds staged copies for the first token, into fresh host rows: the send
-        of the slots' own bytes would queue behind the held ones, and the step that
-        computes that token would wait for it."""
+        put holds staged copies for the first token, or its reservation is still on its
+        way, into fresh host rows: the send of the slots' own bytes would wait behind
+        them, and the step that computes that token with it."""
         staging = self.tasks.staging
         taken = staging.take_many(len(slots)) if staging is not None else None
         if staging is None or taken is None:
-            if job.send_staged.is_set():  # read across threads: a flag, set once
+            # read across threads: flags, each set once (the reservation's too)
+            if job.send_staged.is_set() and job.reserved.done():
                 return self.copies.blocks(slots)
             rows = self.copies.staging(len(slots), self.layout.block_bytes)
             out = self.copies.from_pool(slots, out=rows)

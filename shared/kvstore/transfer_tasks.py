@@ -35,7 +35,7 @@ TRANSFER_ERRORS = (KVStoreError, TransportError, asyncio.CancelledError)
 ENDED_KEEP_S = 60.0
 
 
-def retrieve(fut: asyncio.Future[None]) -> None:
+def retrieve(fut: asyncio.Future[Any]) -> None:
     """Mark a future's failure as seen (nobody may await a put's outcome)."""
     if not fut.cancelled():
         fut.exception()
@@ -193,14 +193,17 @@ class TransferTasks:
             layer, idxs, copy = item.layer, item.indices, item.copy
             try:
                 if not job.failed:
+                    # every block staged before the reservation came back goes to the
+                    # handle, which sends each replica only the ones it reserved
                     ids = [job.ids[i] for i in idxs]
-                    if not copy.reads_pool:
+                    put = await job.reserved
+                    if item.held:
                         await job.send_staged.wait()
                     await copy.ready.wait()
                     if layer is None:
-                        await job.put.write(ids, copy.buffers)
+                        await put.write(ids, copy.buffers)
                     else:
-                        await job.put.write(ids, copy.buffers, layers=(layer, layer + 1))
+                        await put.write(ids, copy.buffers, layers=(layer, layer + 1))
                     self.metrics.saved_bytes.inc(sum(b.numel() for b in copy.buffers))
                     if layer is None or layer == layout.num_layers - 1:
                         job.written.update(idxs)
@@ -220,8 +223,9 @@ class TransferTasks:
                 await self.commit(job)
 
     async def commit(self, job: PutJob) -> None:
+        """(Once the job is complete, so its reservation came back.)"""
         try:
-            await job.put.commit()
+            await (await job.reserved).commit()
         except (KVStoreError, TransportError) as exc:
             log.warning("committing the KV put of %s failed: %s", job.request_id, exc)
             self._fail(job, exc)
@@ -246,7 +250,11 @@ class TransferTasks:
             return
         self._fail(job, KVStoreError("the request ended before its KV was stored"))
         try:
-            await job.put.revoke()
+            put = await asyncio.shield(job.reserved)
+        except (KVStoreError, TransportError):
+            return  # nothing was reserved
+        try:
+            await put.revoke()
         except (KVStoreError, TransportError) as exc:  # the reservation's TTL frees it
             log.warning("revoking the KV put of %s failed: %s", job.request_id, exc)
 

@@ -54,11 +54,19 @@ class Load:
 @dataclass(frozen=True)
 class LayerItem:
     """Blocks ``indices`` of a put job, their ``layer`` (None: whole blocks), as ``copy``
-    holds them (the pool's own bytes, or a staged host copy)."""
+    holds them (the pool's own bytes, or a staged host copy). A staged copy waits for
+    the job's ``send_staged`` unless made only because the put's reservation was not
+    back yet (``staged_for_reservation``)."""
 
     layer: int | None
     indices: list[int]
     copy: SlotBytes
+    staged_for_reservation: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Its write waits for ``send_staged`` (a host copy, held for the first token)."""
+        return not self.copy.reads_pool and not self.staged_for_reservation
 
 
 @dataclass(eq=False)
@@ -67,12 +75,16 @@ class PutJob:
     their last layer), committed once every block the store lacked is written.
 
     ``next_block``/``step_start`` belong to the engine thread; the rest to the
-    event loop. ``needed`` are the block indices some replica reserved (the
-    store lacks them); the others are skipped.
+    event loop. The put's reservation (``reserved``) may still be on its way while
+    the request computes (its round trip is not on the way to the first token):
+    until it resolves, ``needed`` is every block, so the engine stages them all;
+    then it is the block indices some replica reserved (the store lacks them), and
+    the writer, which waits for the reservation before its first write, sends only
+    those (a handle sends each replica only what it reserved).
     """
 
     request_id: RequestId
-    put: PutHandle
+    reserved: asyncio.Future[PutHandle]
     ids: list[str]
     needed: frozenset[int]
     whole_blocks: bool

@@ -98,6 +98,8 @@ class FakeKVStoreClient:
         self.streamed: list[list[str]] = []  # the ids of every stream, in order
         self.streamed_bytes = 0  # the layer slices streams delivered
         self.refuse_puts = False  # begin_put raises, as a store with no live node does
+        self.reserving = asyncio.Event()  # cleared: begin_put waits (a slow reservation)
+        self.reserving.set()
 
     # -- test controls -----------------------------------------------------------------
     def evict_keep_index(self, ids: Sequence[str]) -> None:
@@ -130,6 +132,7 @@ class FakeKVStoreClient:
     async def begin_put(
         self, ids: Sequence[str], sizes: Sequence[int], *, num_layers: int, ttl_s: float = 30.0
     ) -> PutHandle:
+        await self.reserving.wait()
         if self.refuse_puts:
             raise KVUnavailableError("the fake store refuses puts")
         mine = []

@@ -299,21 +299,66 @@ async def test_local_blocks_are_not_loaded_again(make_engine: EngineFactory) -> 
     assert store.streams == 0
 
 
-async def test_a_refused_put_releases_the_prefix_lease_taken_beside_it(
-    make_engine: EngineFactory,
-) -> None:
-    """The cached prefix's lease and the put go out together: a put the store refuses
-    leaves no lease behind (its request never loads it)."""
+async def test_a_refused_put_fails_the_put_not_the_prompt(make_engine: EngineFactory) -> None:
+    """The put's reservation is not on the way to the first token: a store that refuses
+    it fails the put (its ``committed``), the prompt still computes its token, and the
+    cached prefix's lease taken beside the put ends with the request."""
     store = fake_store(make_engine)
     prompt = make_engine().tokenizer.encode(TEXT)
+    longer = [*prompt, 7, 8]
+    expected = reference(make_engine, longer, GREEDY)[0]
     async with node(make_engine, store) as p:
         await p.prefill(prompt, GREEDY, "warm")
         assert not store.node.leases  # the warm prefill's lease ended with it
         store.refuse_puts = True
-        req = p.engine.new_request([*prompt, 7, 8], _first_only(GREEDY), request_id="b")
+        req = p.engine.new_request(longer, _first_only(GREEDY), request_id="b")
+        plan = await p.connector.plan_prefill(req)
+        assert plan.put_job is not None and plan.lease is not None
+        outputs = p.loop.subscribe("b")
+        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        out = await asyncio.wait_for(next_output(outputs), 120)
+        assert out.new_token_ids == [expected]
         with pytest.raises(KVUnavailableError):
-            await p.connector.plan_prefill(req)
+            await asyncio.wait_for(asyncio.shield(plan.put_job.committed), 60)
     assert not store.node.leases
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+async def test_the_first_token_does_not_wait_for_the_puts_reservation(
+    make_engine: EngineFactory, layerwise: bool
+) -> None:
+    """The prompt computes while its put's reservation is still on its way (the engine
+    stages every block meanwhile); once the reservation comes back the blocks the store
+    lacks are written and committed, and a decode that pulls them is token-exact. Blocks
+    the store held already (the warm prompt's) are not written again."""
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    longer = prompt + make_engine().tokenizer.encode(" And then the harbour went dark.")
+    expected = reference(make_engine, longer, GREEDY)
+    async with (
+        node(make_engine, store, layerwise=lambda: layerwise) as p,
+        node(make_engine, store) as d,
+    ):
+        await p.prefill(prompt, GREEDY, "warm")
+        held, warm_writes = set(store.committed()), list(store.node.writes)
+        store.reserving.clear()
+        req = p.engine.new_request(longer, _first_only(GREEDY), request_id="b")
+        plan = await p.connector.plan_prefill(req)
+        job = plan.put_job
+        assert job is not None and not job.reserved.done()
+        outputs = p.loop.subscribe("b")
+        await p.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        out = await asyncio.wait_for(next_output(outputs), 120)
+        assert out.new_token_ids == expected[:1]
+        assert not job.reserved.done()  # the token came first
+        assert not store.node.writes[len(warm_writes) :]  # nothing before the reservation
+        store.reserving.set()
+        await asyncio.wait_for(asyncio.shield(job.committed), 60)
+        assert set(job.ids) <= store.committed()
+        written = {i for i, _ in store.node.writes[len(warm_writes) :]}
+        assert written == set(job.ids) - held
+        tokens = await d.decode(longer, GREEDY, "b-d", job.ids, out.new_token_ids[0])
+    assert tokens == expected
 
 
 async def test_a_stale_index_entry_is_recomputed_with_the_same_token(
