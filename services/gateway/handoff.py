@@ -172,8 +172,9 @@ class Handoff:
         cancelled)."""
         prompt, sampling = prefill_body.prompt_token_ids, prefill_body.sampling
         hits = await self.locate(prompt, prefill_body.cache_salt)
+        payload = prefill_body.model_copy(update={"store_tokens_indexed": hits.store})
         prefill_pick, prefill, accepted = await self._open(
-            "prefill", "/v1/prefill", prefill_body.model_dump_json(), request_id, len(prompt), hits
+            "prefill", "/v1/prefill", payload.model_dump_json(), request_id, len(prompt), hits
         )
         started = Started(prefill_pick, prefill, accepted, hits)
         try:
@@ -230,7 +231,7 @@ class Handoff:
     ) -> None:
         """Open the request's decode: it reserves KV pool space and pulls from the store.
         ``alongside``: the prefill pick still counts (it has not given the first token)."""
-        body = DecodeRequest(**prefill_body.model_dump(), kv_ids=started.accepted.kv_ids)
+        body = DecodeRequest(**prefill_body.decode_fields(), kv_ids=started.accepted.kv_ids)
         started.decode_pick, started.decode, _ = await self._open(
             "decode",
             "/v1/decode",
@@ -369,7 +370,7 @@ class Handoff:
         pick: Pick,
         stream: WorkerStream,
     ) -> DecodeSession:
-        decode_body = DecodeRequest(**body.model_dump(), kv_ids=started.accepted.kv_ids)
+        decode_body = DecodeRequest(**body.decode_fields(), kv_ids=started.accepted.kv_ids)
         return self._decode_session(request_id, decode_body, pick, stream, started.hits)
 
     def _decode_session(

@@ -148,7 +148,9 @@ class Prefiller(Worker):
         )
         whole = req.num_prompt_tokens < self.settings.layerwise_min_tokens
         # the first token leaves before the step's staged KV: it is what the client waits for
-        plan = await self.connector.plan_prefill(req, whole_blocks=whole, hold_staged=True)
+        plan = await self.connector.plan_prefill(
+            req, whole_blocks=whole, hold_staged=True, indexed_tokens=body.store_tokens_indexed
+        )
         late = self._kv_after_first_token(plan, whole)
         self.in_flight[rid] = req
         outputs = self.loop.subscribe(rid)
@@ -159,6 +161,11 @@ class Prefiller(Worker):
                 lambda e: e.add(req, kv_transfer=plan, detokenize=False, whole_max_tokens=budget)
             )
             added = True
+            if plan.put_job is not None and not late:
+                # a decode pulls as soon as it has the ids, and the store must know them
+                # by then (the prompt computes meanwhile; a failed reservation fails
+                # only the put, and that decode recomputes what it cannot load)
+                await asyncio.wait([plan.put_job.reserved])
             yield Accepted(
                 instance_id=self.instance_id, kv_ids=plan.put_ids, kv_after_first_token=late
             )

@@ -151,7 +151,12 @@ class KVStoreConnector(KVConnector):
 
     # -- planning (event loop, before the request reaches the engine) ---------------------
     async def plan_prefill(
-        self, req: Request, *, whole_blocks: bool = False, hold_staged: bool = False
+        self,
+        req: Request,
+        *,
+        whole_blocks: bool = False,
+        hold_staged: bool = False,
+        indexed_tokens: int | None = None,
     ) -> StorePlan:
         """Lease the longest cached prefix the store holds and open the put of the
         prompt's blocks (content-addressed when caching, else request-scoped).
@@ -161,13 +166,15 @@ class KVStoreConnector(KVConnector):
         store that refuses it fails the put, not the prompt). ``hold_staged``: staged
         whole blocks wait for ``put_job.send_staged``, which the caller must set (once
         the first token left, and whatever happens: the put neither commits nor ends
-        before)."""
+        before). ``indexed_tokens``: what the index said the store holds of the
+        prompt a moment ago (the gateway's lookup as it routed it); with 0 it is not
+        asked again (a block indexed since then is recomputed rather than loaded)."""
         plan = StorePlan()
         bs = self.layout.block_size
         keys = [k.hex() for k in req.block_keys]
         # the cached prefix's lease and the put are independent round trips: both at once
         leasing: asyncio.Task[tuple[LeaseSet | None, list[str]]] | None = None
-        if self.caching and self.pull.policy != "never":
+        if self.caching and self.pull.policy != "never" and indexed_tokens != 0:
             usable = keys[: (req.num_prompt_tokens - 1) // bs]
             leasing = asyncio.ensure_future(self._lease_prefix(usable))
             await asyncio.sleep(0)  # its lookup goes out first, as it did alone

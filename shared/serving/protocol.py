@@ -16,7 +16,7 @@ the gateway to resume it elsewhere. Any stream may end with ``error``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -106,6 +106,13 @@ class PrefillRequest(_Wire):
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingSpec
     cache_salt: str | None = None
+    # leading prompt tokens the cluster's index said the store holds as the gateway
+    # routed the request (None: it did not look); 0 spares prefill the same lookup
+    store_tokens_indexed: int | None = Field(default=None, ge=0)
+
+    def decode_fields(self) -> dict[str, Any]:
+        """The fields a :class:`DecodeRequest` of the same request shares with it."""
+        return self.model_dump(exclude={"store_tokens_indexed"})
 
 
 class DecodeRequest(_Wire):

@@ -289,6 +289,37 @@ async def test_a_cached_prefix_is_loaded_layer_by_layer_and_only_new_blocks_writ
     assert store.streams == 1
 
 
+async def test_an_index_that_said_none_is_held_spares_the_lookup(
+    make_engine: EngineFactory,
+) -> None:
+    """The gateway's lookup as it routed the prompt found none of it in the store:
+    prefill does not ask again (a block indexed since is recomputed, token-exact); a
+    prompt it found held is looked up and loaded as before."""
+    store = fake_store(make_engine)
+    tok = make_engine().tokenizer
+    base = tok.encode(TEXT)
+    longer = base + tok.encode(" Then the wind turned and the rain began to fall.")
+    expected = reference(make_engine, longer, GREEDY)[0]
+    async with node(make_engine, store) as first:
+        await first.prefill(base, GREEDY, "warm")
+    async with node(make_engine, store) as fresh:  # an empty local pool
+        req = fresh.engine.new_request(longer, _first_only(GREEDY), request_id="said-none")
+        plan = await fresh.connector.plan_prefill(req, indexed_tokens=0)
+        assert plan.lease is None and not plan.load_ids
+        outputs = fresh.loop.subscribe("said-none")
+        await fresh.loop.call(lambda e: e.add(req, kv_transfer=plan, detokenize=False))
+        out = await asyncio.wait_for(next_output(outputs), 120)
+        assert out.new_token_ids == [expected] and out.cache_hit.tokens == 0
+        assert plan.put_job is not None
+        await asyncio.wait_for(asyncio.shield(plan.put_job.committed), 60)
+    async with node(make_engine, store) as fresh:
+        req = fresh.engine.new_request(longer, _first_only(GREEDY), request_id="said-some")
+        plan = await fresh.connector.plan_prefill(req, indexed_tokens=len(base))
+        assert plan.load_ids
+        await fresh.connector.abandon(plan)
+    assert store.streams == 0
+
+
 async def test_local_blocks_are_not_loaded_again(make_engine: EngineFactory) -> None:
     store = fake_store(make_engine)
     prompt = make_engine().tokenizer.encode(TEXT)
