@@ -151,9 +151,9 @@ INLINE int attention_amx(int64_t d) {
 }
 #endif
 
-/* Keys a tile's scores and probabilities are padded to, and rows it holds: AMX
- * reads probabilities 32 keys and rows 16 at a time. */
-INLINE int64_t probs_padded(int64_t len, int amx) { return amx ? (len + 31) / 32 * 32 : keys_padded(len); }
+/* Keys a tile's probabilities are padded to (row_softmax writes them 32 at a time,
+ * as AMX reads them), and rows it holds (AMX reads 16 at a time). */
+INLINE int64_t probs_padded(int64_t len) { return (len + 31) / 32 * 32; }
 INLINE int64_t rows_padded(int64_t rows, int amx) { return amx ? (rows + 15) / 16 * 16 : rows; }
 
 #if defined(HAVE_AMX)

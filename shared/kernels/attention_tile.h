@@ -11,9 +11,10 @@
  *   scores   key t's lane accumulates vdpbf16ps over head_dim pairs in order
  *            (from +0), times scale; blocks of 6 rows x 64 keys share every
  *            load;
- *   softmax  per row, exact: max over its keys, exp(s - max) rounded to bf16,
- *            the rounded values summed 16 keys a vector (lane l takes keys
- *            t = l mod 16 in order) and the lanes added in one fixed tree;
+ *   softmax  per row, exact: max over its keys, 2^(s log2(e) - max) rounded
+ *            to bf16, the rounded values summed as bf16 pairs 32 keys a chunk
+ *            (lane l takes keys 2l and 2l + 1 of each) and the lanes added in
+ *            one fixed tree;
  *   values   per row, vdpbf16ps of key-pair probabilities with V rows
  *            interleaved in pairs, in key order, times 1 / sum, rounded to
  *            bf16 once.
@@ -57,11 +58,11 @@ INLINE int tile_supports(int64_t d, int64_t block_size) {
 
 INLINE int64_t keys_padded(int64_t len) { return (len + 15) / 16 * 16; }
 
-/* Windowed rows start their keys at a multiple of this (16 keys a vector, 32 an AMX
- * tile product, whole blocks), so a key falls in the same lane and pair wherever a
+/* Windowed rows start their keys at a multiple of this (32 keys a softmax chunk and
+ * an AMX tile product, whole blocks), so a key falls in the same lane and pair wherever a
  * tile starts. */
-INLINE int64_t tile_align(int64_t block_size, int amx) {
-    const int64_t unit = amx ? 32 : 16;
+INLINE int64_t tile_align(int64_t block_size) {
+    const int64_t unit = 32; /* row_softmax's chunks, an AMX tile product's keys */
     int64_t a = unit, b = block_size;
     while (b) {
         int64_t r = a % b;
@@ -245,22 +246,52 @@ DEFINE_TILE_SCORES(scores_3, 3)
 DEFINE_TILE_SCORES(scores_2, 2)
 DEFINE_TILE_SCORES(scores_1, 1)
 
+/* exp2(z) for z <= 0 (or a rounding above it): 2^n by vscalefps times a degree-4
+ * polynomial in the fraction f = z - n, |f| <= 1/2 (fitted to 2^f, relative error
+ * 2.7e-6, a thousandth of a bf16 probability's rounding step). z is clamped at
+ * -126, where a probability is already below any bf16 sum's resolution. */
+INLINE __m512 vexp2_probability(__m512 z) {
+    z = _mm512_max_ps(z, _mm512_set1_ps(-126.f));
+    __m512 n = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(z, n); /* exact */
+    __m512 p = _mm512_set1_ps(0.009560510516166687f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591703951358795f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lanes of the 16 keys from t on that a row of `len` keys with its window from
+ * `first` holds. */
+INLINE __mmask16 keys_live(int64_t t, int64_t first, int64_t len) {
+    __mmask16 in = len >= t + 16 ? (__mmask16)0xffff
+                   : len <= t   ? (__mmask16)0
+                                : (__mmask16)((1u << (len - t)) - 1u);
+    return in & keys_from(t, first);
+}
+
 /* One row's scores (len of them, each times `scale` as it is read: 1 for scores
  * stored scaled) to bf16 probabilities p (+0 before `first`, the row's window, and
- * from len to `width` + 2); returns 1 / the sum of the rounded probabilities. The
- * max is taken unscaled and then scaled: rounding is monotonic, so it is the max of
- * the scaled scores, bit for bit. */
+ * from len to `width` + 2, width a multiple of 32); returns 1 / the sum of the
+ * rounded probabilities.
+ *
+ * The max is taken unscaled and then scaled: rounding is monotonic, so it is the
+ * max of the scaled scores, bit for bit. A probability is exp2(s c - m) with c =
+ * scale log2(e) and m = max c, the product fused; keys go 32 at a time from the
+ * 32-key chunk holding `first` (keys before it are +0), the two halves rounded to
+ * bf16 at once and summed as bf16 pairs (vdpbf16ps with ones: lane l takes keys
+ * 2l and 2l + 1 of each chunk, in chunk order), the lanes then added in one fixed
+ * tree. Chunks are counted from key 0 of the row, which callers put at a multiple
+ * of 32 of the context (tile_align), so a key's lane and pair never depend on the
+ * tile its row is in. */
 INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p,
                          int64_t width, float scale) {
     __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1u);
     int64_t full = len / 16 * 16;
-    /* keys before the window's 16-key vector are skipped (their probabilities
-     * stored as +0: adding +0 to a lane leaves it as it is); only the vector
-     * holding `first` is masked */
-    const int64_t lead = first / 16 * 16;
     __m512 vmx = _mm512_set1_ps(-INFINITY);
-    int64_t t = lead;
-    if (first > lead && t < full) {
+    int64_t t = first / 16 * 16;
+    if (first > t && t < full) {
         vmx = _mm512_mask_max_ps(vmx, keys_from(t, first), vmx, _mm512_loadu_ps(s + t));
         t += 16;
     }
@@ -279,35 +310,27 @@ INLINE float row_softmax(const float *s, int64_t first, int64_t len, uint16_t *p
         __mmask16 m = tail & keys_from(full, first);
         vmx = _mm512_mask_max_ps(vmx, m, vmx, _mm512_maskz_loadu_ps(m, s + full));
     }
-    __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx) * scale);
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const float c = scale * 1.44269504088896341f;
+    const __m512 vc = _mm512_set1_ps(c);
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmx) * c);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
     __m512 acc = _mm512_setzero_ps();
-    for (t = 0; t < lead; t += 16) _mm256_storeu_si256((__m256i *)(p + t), _mm256_setzero_si256());
-    /* the window's first vector and the row's last are masked; those between are whole */
-#define SOFTMAX_KEYS(LOAD, KEEP)                                                            \
-    do {                                                                                    \
-        __m512 x = _mm512_mul_ps(LOAD, vscale);                                             \
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(KEEP(vexp_nonpositive(_mm512_sub_ps(x, mx)))); \
-        _mm256_storeu_si256((__m256i *)(p + t), h);                                         \
-        acc = _mm512_add_ps(acc, vwiden_bf16(h));                                           \
-    } while (0)
-#define KEEP_LIVE(e) _mm512_maskz_mov_ps(live, e)
-#define KEEP_ALL(e) (e)
-    t = lead;
-    if (t < len) {
-        __mmask16 live = (t < full ? (__mmask16)0xffff : tail) & keys_from(t, first);
-        SOFTMAX_KEYS(_mm512_maskz_loadu_ps(live, s + t), KEEP_LIVE);
-        t += 16;
+    const int64_t lead = first / 32 * 32;
+    for (t = 0; t < lead; t += 32) _mm512_storeu_si512(p + t, _mm512_setzero_si512());
+#define CHUNK_PROBS(LO, HI)                                                                     do {                                                                                            __m512bh pb = _mm512_cvtne2ps_pbh(HI, LO);                                                  _mm512_storeu_si512(p + t, (__m512i)pb);                                                    acc = _mm512_dpbf16_ps(acc, pb, ones);                                                  } while (0)
+#define PROBS(x) vexp2_probability(_mm512_fmsub_ps(x, vc, m))
+    for (t = lead; t < len; t += 32) {
+        if (t >= first && t + 32 <= len) {
+            CHUNK_PROBS(PROBS(_mm512_loadu_ps(s + t)), PROBS(_mm512_loadu_ps(s + t + 16)));
+        } else { /* the window's first chunk, the row's last: lanes outside are +0 */
+            __mmask16 lo = keys_live(t, first, len), hi = keys_live(t + 16, first, len);
+            CHUNK_PROBS(_mm512_maskz_mov_ps(lo, PROBS(_mm512_maskz_loadu_ps(lo, s + t))),
+                        _mm512_maskz_mov_ps(hi, PROBS(_mm512_maskz_loadu_ps(hi, s + t + 16))));
+        }
     }
-    for (; t < full; t += 16) SOFTMAX_KEYS(_mm512_loadu_ps(s + t), KEEP_ALL);
-    if (t < len) {
-        __mmask16 live = tail;
-        SOFTMAX_KEYS(_mm512_maskz_loadu_ps(live, s + t), KEEP_LIVE);
-    }
-#undef SOFTMAX_KEYS
-#undef KEEP_LIVE
-#undef KEEP_ALL
-    for (int64_t t = keys_padded(len); t < width + 2; t++) p[t] = 0;
+#undef PROBS
+#undef CHUNK_PROBS
+    for (; t < width + 2; t++) p[t] = 0;
     /* lanes added in a fixed tree: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
     acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
     acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
@@ -383,7 +406,7 @@ INLINE void values_pass(const uint16_t *p, int64_t p_stride, const uint16_t *v,
     const uint16_t *p, int64_t p_stride, const uint16_t *v, const int64_t *table,          \
         int64_t len, int64_t block_size, int64_t block_stride, int64_t tok_stride,         \
         const float *inv, uint16_t *const *outs
-#define VALUES_ARGS pp, p_stride, vc, table, end, block_size, block_stride, tok_stride, iv, outs
+#define VALUES_ARGS pp, p_stride, vc, vtable, end, block_size, block_stride, tok_stride, iv, outs
 #define DEFINE_VALUES_SHAPE(NAME, D, NP)                                                    \
     __attribute__((noinline)) static void NAME(VALUES_PARAMS) {                              \
         values_pass(p, p_stride, v, table, len, block_size, block_stride, tok_stride, D, NP, \
@@ -428,7 +451,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t out_tok_s
                       int64_t block_size, int64_t block_stride, int64_t tok_stride,
                       const int64_t d, float scale, float *scratch, int amx) {
     const int64_t rows = ntok * group, len = len0 + ntok - 1, pad = keys_padded(len);
-    const int64_t held = rows_padded(rows, amx), p_pad = probs_padded(len, amx);
+    const int64_t held = rows_padded(rows, amx), p_pad = probs_padded(len);
     float *s = scratch;                               /* [held][pad] scores */
     uint16_t *p = (uint16_t *)(s + held * pad);       /* [held][p_pad + 2] probabilities */
     const int64_t p_stride = p_pad + 2;
@@ -476,7 +499,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t out_tok_s
             int64_t r = r0 + i;
             int64_t len_r = len0 + r / group;
             inv[i] = row_softmax(sr + i * pad, window_start(len_r, window), len_r,
-                                 p + r * p_stride, pad, 1.f);
+                                 p + r * p_stride, p_stride - 2, 1.f);
         }
         /* values for this block's rows, in passes of what the registers hold; wide
          * heads (head_dim 256) in 128-column slices, so that a pass serves 3 rows
@@ -485,8 +508,13 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t out_tok_s
         const int64_t per_pass = VALUE_ACC / (dv / 16);
         for (int64_t a = 0; a < nr; a += per_pass) {
             int64_t np = nr - a < per_pass ? nr - a : per_pass, first = r0 + a;
-            int64_t end = len0 + (first + np - 1) / group; /* the pass's longest row */
-            const uint16_t *pp = p + first * p_stride;
+            /* whole blocks before the pass's earliest window (there since the keys
+             * start at a tile_align() multiple) are skipped: their probabilities are
+             * +0, their V may be gone, and a sum of +0 products from +0 is +0 */
+            int64_t skip = window_start(len0 + first / group, window) / block_size * block_size;
+            int64_t end = len0 + (first + np - 1) / group - skip; /* the pass's longest row */
+            const uint16_t *pp = p + first * p_stride + skip;
+            const int64_t *vtable = table + skip / block_size;
             const float *iv = inv + a;
             for (int64_t c0 = 0; c0 < d; c0 += dv) {
                 uint16_t *outs[SCORE_ROWS];
@@ -498,7 +526,7 @@ INLINE void tile_body(const uint16_t *q, int64_t q_tok_stride, int64_t out_tok_s
                 if (dv == 64 && np == 6) values_64_6(VALUES_ARGS);
                 else if (dv == 64 && np == 3) values_64_3(VALUES_ARGS);
                 else if (dv == 128 && np == 3) values_128_3(VALUES_ARGS);
-                else values_any(pp, p_stride, vc, table, end, block_size, block_stride,
+                else values_any(pp, p_stride, vc, vtable, end, block_size, block_stride,
                                 tok_stride, dv, np, iv, outs);
             }
         }

@@ -370,7 +370,7 @@ int baton_paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t
         return decode_bf16_untiled(q, k, v, out, tables, lens, batch, width, heads, kv_heads, d,
                                    block_size, block_stride, scale, window, threads);
     int amx = attention_amx(d);
-    int64_t align = tile_align(block_size, amx);
+    int64_t align = tile_align(block_size);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, most = width * block_size;
     int64_t per_thread = rows_scratch_floats(group, most, d);
     int failed = 0;
@@ -462,7 +462,7 @@ int baton_paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
                                     kv_heads, d, block_size, block_stride, num_blocks, scale,
                                     window, threads);
     int amx = attention_amx(d);
-    int64_t align = tile_align(block_size, amx);
+    int64_t align = tile_align(block_size);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, prefix = context_len - n;
     int64_t per = tile_tokens(group), tiles = (n + per - 1) / per;
     int64_t pad = keys_padded(context_len), kw = keys_width(context_len);
