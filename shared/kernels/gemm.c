@@ -414,6 +414,7 @@ static uint16_t *padded_rows(const uint16_t *x, int64_t rows, int64_t k_len) {
  * changes its sums. */
 #define AMX_CHUNK_BYTES (1024 * 1024)
 #define AMX_GROUP_BYTES (256 * 1024)
+#define PREFETCH_ROWS 128 /* from this many rows, a run fetches its next panel ahead */
 
 static int64_t amx_group(int64_t panels, int64_t chunks, int64_t k_len, int threads) {
     int64_t group = AMX_GROUP_BYTES / (k_len * PANEL * 2);
@@ -454,8 +455,11 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
                     int64_t cols = n - p * wide < wide ? n - p * wide : wide;
                     const uint16_t *panel = packed + p * k_len * PANEL;
                     /* the item's first block meets each panel first: the next one is
-                     * fetched while this one is computed */
-                    const char *ahead = r == item / groups * chunk_rows && p + 1 < last
+                     * fetched while this one is computed, where the run is long enough
+                     * for the fetch to hide behind it (decode's few rows read the
+                     * weight at memory speed already: 8% slower with it at 1-8 rows) */
+                    const char *ahead = m >= PREFETCH_ROWS && r == item / groups * chunk_rows &&
+                                                p + 1 < last
                                             ? (const char *)(panel + k_len * PANEL)
                                             : NULL;
                     if (rows > AMX_ROWS)
