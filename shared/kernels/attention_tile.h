@@ -79,8 +79,19 @@ INLINE __mmask16 keys_from(int64_t t, int64_t first) {
     return (__mmask16)(0xffffu << (first - t));
 }
 
-/* Prompt tokens per prefill tile for a KV head's `group` query heads. */
-INLINE int64_t tile_tokens(int64_t group) { return group >= TILE_ROWS ? 1 : TILE_ROWS / group; }
+/* Prompt tokens per prefill tile for a KV head's `group` query heads: TILE_ROWS
+ * rows' worth, or on AMX (16-row blocks) the fewest tokens past that whose rows fill
+ * whole blocks, where that stays within 64 rows (3 heads a group: 16 tokens, 48 rows,
+ * not 10 tokens padded from 30 rows to 32). A row's result never depends on its tile. */
+INLINE int64_t tile_tokens(int64_t group, int amx) {
+    if (group >= TILE_ROWS) return 1;
+    if (amx) {
+        int64_t t = 1;
+        while ((t * group) % 16 != 0 || t * group < TILE_ROWS) t++;
+        if (t * group <= 64) return t;
+    }
+    return TILE_ROWS / group;
+}
 
 /* Floats of per-thread scratch for `rows` rows over `len` keys: scores, then
  * bf16 probabilities (a row's width plus one key pair), then the query pairs; as

@@ -449,7 +449,7 @@ DEFINE_PREFILL(baton_paged_prefill_bf16, task_bf16, uint16_t)
 #else
 DEFINE_PREFILL(prefill_bf16_untiled, task_bf16, uint16_t)
 /* bf16 prefill: each KV head's context keys transposed once, then tiles of
- * tile_tokens(group) consecutive prompt tokens per KV head, longest first. */
+ * tile_tokens(group, amx) consecutive prompt tokens per KV head, longest first. */
 int baton_paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                              const uint16_t *v, uint16_t *out, const int64_t *table, int64_t n,
                              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t d,
@@ -464,7 +464,7 @@ int baton_paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
     int amx = attention_amx(d);
     int64_t align = tile_align(block_size);
     int64_t group = heads / kv_heads, tok_stride = kv_heads * d, prefix = context_len - n;
-    int64_t per = tile_tokens(group), tiles = (n + per - 1) / per;
+    int64_t per = tile_tokens(group, amx), tiles = (n + per - 1) / per;
     int64_t pad = keys_padded(context_len), kw = keys_width(context_len);
     int64_t head_keys = keys_scratch_floats(d, context_len);
     /* the caller's thread keeps the keys' buffer; the team's threads their own */
