@@ -74,16 +74,17 @@ def build_key(source: str, compiler: str, flags: Sequence[str]) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def build_library(source_path: Path, out_dir: Path) -> Path:
+def build_library(source_path: Path, out_dir: Path, extra_flags: Sequence[str] = ()) -> Path:
     """Path of the compiled library for ``source_path``, compiling it if this machine has none.
 
     Tries with OpenMP first and without it second (the kernel then runs on one
-    thread). Raises :class:`KernelBuildError` with the compiler's message when
-    neither compiles.
+    thread). ``extra_flags`` follow the base ones (the tests build the form a CPU
+    without one of this one's features runs, e.g. ``-mno-amx-tile``). Raises
+    :class:`KernelBuildError` with the compiler's message when neither compiles.
     """
     compiler = find_compiler()
     source = _source_text(source_path)
-    attempts = [(*BASE_FLAGS, *OPENMP_FLAGS), BASE_FLAGS]
+    attempts = [(*BASE_FLAGS, *extra_flags, *OPENMP_FLAGS), (*BASE_FLAGS, *extra_flags)]
     errors: list[str] = []
     for flags in attempts:
         target = out_dir / f"{source_path.stem}-{build_key(source, compiler, flags)}.so"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from shared.config import default_cache_dir
 from shared.errors import ConfigError
+from shared.hardware import cpu_flags
 from shared.kernels.build import build_library
 from shared.kernels.paged_decode import PagedDecodeKernel
 from shared.kernels.paged_prefill import SOURCE, PagedPrefillKernel
@@ -21,12 +22,22 @@ from shared.model.prefill_attention import NativePrefill, SdpaPrefill, select_pr
 from tests.shared.kernels.compiler import has_compiler, needs_cc
 from tests.shared.kernels.pools import DEFAULT_SHAPE, Shape, layer_pools
 
+# On an AMX host the default build's bf16 tiles are AMX products; the AVX512-BF16 form
+# that hosts without AMX run is built here too, so both forms keep their promises
+# (bitwise decode rows, chunking, windows) whichever host the tests run on.
+WITHOUT_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 
-@pytest.fixture(scope="module")
-def kernel() -> PagedPrefillKernel:
+
+@pytest.fixture(scope="module", params=["default", "without AMX"])
+def kernel(request: pytest.FixtureRequest) -> PagedPrefillKernel:
     if not has_compiler():
         pytest.skip("no C compiler on this machine")
-    return PagedPrefillKernel.build(default_cache_dir() / "kernels")
+    kernel_dir = default_cache_dir() / "kernels"
+    if request.param == "default":
+        return PagedPrefillKernel.build(kernel_dir)
+    if "amx_tile" not in cpu_flags():
+        pytest.skip("no AMX on this CPU: the default build is the form without it")
+    return PagedPrefillKernel(build_library(SOURCE, kernel_dir, WITHOUT_AMX))
 
 
 @dataclass(frozen=True)
@@ -92,9 +103,10 @@ def run(kernel: PagedPrefillKernel, c: Case, window: int | None = None) -> torch
     return out
 
 
-def decode_rows(c: Case, window: int | None = None) -> torch.Tensor:
-    """What the decode kernel computes for each of the case's tokens, one row each."""
-    decode = PagedDecodeKernel.build(default_cache_dir() / "kernels")
+def decode_rows(kernel: PagedPrefillKernel, c: Case, window: int | None = None) -> torch.Tensor:
+    """What the decode kernel of ``kernel``'s build computes for each of the case's
+    tokens, one row each."""
+    decode = PagedDecodeKernel(kernel.library)
     prefix = c.context_len - c.q.shape[0]
     lens = [prefix + i + 1 for i in range(c.q.shape[0])]
     block_size = c.k_pool.shape[1]
@@ -159,7 +171,7 @@ def test_each_row_is_bitwise_what_decode_computes(
     the KV decode made. head_dim 40 takes the portable path in both."""
     shape = Shape(heads, kv_heads, head_dim, block_size)
     c = make_case(dtype=dtype, n=37, context_len=120, shape=shape, seed=7)
-    assert torch.equal(run(kernel, c), decode_rows(c))
+    assert torch.equal(run(kernel, c), decode_rows(kernel, c))
 
 
 WINDOW_SHAPES = [
@@ -194,7 +206,7 @@ def test_sliding_window_rows_are_accurate_and_bitwise_decode(
     ours = (got.double() - exact).abs().max().item()
     theirs = (sdpa(c, window=window).double() - exact).abs().max().item()
     assert ours <= max(2 * theirs, 1e-5)
-    assert torch.equal(got, decode_rows(c, window))
+    assert torch.equal(got, decode_rows(kernel, c, window))
     if window < c.context_len:  # the window changes what the rows see
         assert not torch.equal(got, run(kernel, c))
 
