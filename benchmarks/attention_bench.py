@@ -6,7 +6,8 @@ times both implementations alternately (ABAB...) and prints the median times
 and their ratio (< 1.0: the kernel is faster). Cases: fresh prompts of several
 lengths, and a chunk on top of a cached prefix (SDPA then needs the context
 gathered from the pool first, as the engine's SDPA path does). GFLOP/s count
-the causal work (4 * heads * head_dim per query-key pair attended).
+the causal work (4 * heads * head_dim per query-key pair attended); beside them,
+their share of this core's peak (``benchmarks/peak.py``) times the thread count.
 
 ``--against REV`` also builds the kernel as it was at git revision REV (its
 ``shared/kernels`` sources) and times it in the same rounds, for a before/after
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_bench import paired
+from benchmarks.peak import core_peak, share_text
 from benchmarks.results import save_json
 from shared.config import default_cache_dir
 from shared.kernels.build import build_library
@@ -144,6 +146,8 @@ def decode_rows(
     rows: list[dict[str, object]] = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
+        peak = core_peak(dtype_name)
+        print(f"peak ({dtype_name}): " + (peak.describe() if peak else "unknown"))
         for threads in args.threads:
             torch.set_num_threads(threads)
             for batch in args.decode_batch:
@@ -206,6 +210,8 @@ def main() -> None:
     cases = [(n, n) for n in args.prompts] + [(512, 2048)]
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
+        peak = core_peak(dtype_name)
+        print(f"peak ({dtype_name}): " + (peak.describe() if peak else "unknown"))
         for threads in args.threads:
             torch.set_num_threads(threads)
             for new, context in cases:
@@ -235,11 +241,17 @@ def main() -> None:
                     "sdpa_gflops": flops(new, context, geo) / t_sdpa / 1e9,
                     "geometry": args.geometry,
                 }
+                if peak is not None:
+                    row["native_share_of_peak"] = peak.share(row["native_gflops"], threads)
+                    row["sdpa_share_of_peak"] = peak.share(row["sdpa_gflops"], threads)
+                native_share = share_text(peak, row["native_gflops"], threads)
+                sdpa_share = share_text(peak, row["sdpa_gflops"], threads)
                 line = (
                     f"prefill attention {dtype_name:8s} threads={threads} new={new:<5d} "
                     f"context={context:<5d} native {row['native_ms']:7.2f} ms "
-                    f"({row['native_gflops']:5.1f} GFLOP/s)  sdpa {row['sdpa_ms']:7.2f} ms "
-                    f"({row['sdpa_gflops']:5.1f})  time ratio {row['time_ratio']:.2f}"
+                    f"({row['native_gflops']:5.1f} GFLOP/s{native_share})  sdpa "
+                    f"{row['sdpa_ms']:7.2f} ms ({row['sdpa_gflops']:5.1f}{sdpa_share})  "
+                    f"time ratio {row['time_ratio']:.2f}"
                 )
                 if t_before is not None:
                     row["before_ms"] = t_before * 1e3

@@ -5,9 +5,10 @@ down, then the LM head), each layer with its own random weights, so the
 weights are cold as in the engine (about 538 MB in fp32; the caches hold a
 few layers). For each row count (the decode batch, or the prompt length in
 prefill) both backends run the whole forward's GEMMs alternately (ABAB...);
-printed are median times, GFLOPS and the time ratio (< 1.0: native faster), for
-the whole forward and then per shape (each layer GEMM over the 30 layers; the LM
-head, which a prefill runs on its last row only, apart).
+printed are median times, GFLOPS with their share of this core's peak
+(``benchmarks/peak.py``) times the thread count, and the time ratio (< 1.0:
+native faster), for the whole forward and then per shape (each layer GEMM over
+the 30 layers; the LM head, which a prefill runs on its last row only, apart).
 
     python -m benchmarks.gemm_bench --out bench-results/gemm.json
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.engine_bench import paired
+from benchmarks.peak import Peak, core_peak, share_text
 from benchmarks.results import save_json
 from shared.config import default_cache_dir
 from shared.model.linear import Linear, NativeLinear, OneDNNLinear, PackedWeight
@@ -71,15 +73,27 @@ def forward_flops(rows: int, layers: int) -> int:
     return 2 * rows * (layers * per_layer + LM_HEAD[0] * LM_HEAD[1])
 
 
-def timings(t_native: float, t_onednn: float, flops: int) -> dict[str, float]:
-    """Both sides' times (s) as ms, GFLOPS and their ratio (< 1.0: native faster)."""
-    return {
+def timings(t_native: float, t_onednn: float, flops: int, peak: Peak | None) -> dict[str, float]:
+    """Both sides' times (s) as ms, GFLOPS, their shares of this core's peak times the
+    thread count, and their time ratio (< 1.0: native faster)."""
+    out = {
         "native_ms": t_native * 1e3,
         "onednn_ms": t_onednn * 1e3,
         "native_gflops": flops / t_native / 1e9,
         "onednn_gflops": flops / t_onednn / 1e9,
         "time_ratio": t_native / t_onednn,
     }
+    if peak is not None:
+        threads = torch.get_num_threads()
+        out["native_share_of_peak"] = peak.share(out["native_gflops"], threads)
+        out["onednn_share_of_peak"] = peak.share(out["onednn_gflops"], threads)
+    return out
+
+
+def gflops_text(t: dict[str, float], side: str, peak: Peak | None, width: int) -> str:
+    """`` 2423 GFLOPS 32% of peak`` for ``side`` (native, onednn) of ``timings``."""
+    rate = t[f"{side}_gflops"]
+    return f"{rate:{width}.0f} GFLOPS{share_text(peak, rate, torch.get_num_threads())}"
 
 
 def per_shape(
@@ -90,6 +104,7 @@ def per_shape(
     xs: dict[int, torch.Tensor],
     args: argparse.Namespace,
     rows: int,
+    peak: Peak | None,
 ) -> dict[str, dict[str, float]]:
     """Each shape's GEMMs alone (its weights across the layers), both backends alternately."""
     names = shape_names(args.layers)
@@ -103,10 +118,10 @@ def per_shape(
             args.repeats,
         )
         n, k = LM_HEAD if name == "lm_head" else LAYER_SHAPES[name]
-        out[name] = t = timings(t_native, t_onednn, 2 * rows * n * k * len(mine))
+        out[name] = t = timings(t_native, t_onednn, 2 * rows * n * k * len(mine), peak)
         print(
-            f"    {name:8s} native {t['native_gflops']:5.0f} GFLOPS  oneDNN "
-            f"{t['onednn_gflops']:5.0f} GFLOPS  time ratio {t['time_ratio']:.2f}",
+            f"    {name:8s} native {gflops_text(t, 'native', peak, 5)}  oneDNN "
+            f"{gflops_text(t, 'onednn', peak, 5)}  time ratio {t['time_ratio']:.2f}",
             flush=True,
         )
     return out
@@ -130,6 +145,8 @@ def main() -> None:
         if not isinstance(native, NativeLinear) or problem is not None:
             print(f"skipping {dtype_name}: {problem}")
             continue
+        peak = core_peak(dtype_name)
+        print(f"peak ({dtype_name}): " + (peak.describe() if peak else "unknown"))
         ours, theirs = (
             forward_weights(native, dtype, args.layers),
             forward_weights(onednn, dtype, args.layers),
@@ -147,16 +164,16 @@ def main() -> None:
                     "dtype": dtype_name,
                     "threads": threads,
                     "rows": rows,
-                    **timings(t_native, t_onednn, forward_flops(rows, args.layers)),
+                    **timings(t_native, t_onednn, forward_flops(rows, args.layers), peak),
                 }
                 print(
                     f"forward GEMMs {dtype_name:8s} threads={threads} rows={rows:<5d} "
-                    f"native {row['native_ms']:7.1f} ms ({row['native_gflops']:4.0f} GFLOPS)  "
-                    f"oneDNN {row['onednn_ms']:7.1f} ms ({row['onednn_gflops']:4.0f} GFLOPS)  "
+                    f"native {row['native_ms']:7.1f} ms ({gflops_text(row, 'native', peak, 4)})  "
+                    f"oneDNN {row['onednn_ms']:7.1f} ms ({gflops_text(row, 'onednn', peak, 4)})  "
                     f"time ratio {row['time_ratio']:.2f}",
                     flush=True,
                 )
-                row["shapes"] = per_shape(native, ours, onednn, theirs, xs, args, rows)
+                row["shapes"] = per_shape(native, ours, onednn, theirs, xs, args, rows, peak)
                 results.append(row)
     save_json(args.out, results)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.engine_bench import Ours
-from benchmarks.peak import peak_gflops
+from benchmarks.peak import core_peak
 from benchmarks.results import save_json
 from benchmarks.step_breakdown import Clock, TimedLinear
 from shared.config import default_cache_dir
@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    peak = peak_gflops(args.dtype)
+    peak = core_peak(args.dtype)
     loaded = load_model(args.model, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False)
     clock = Clock()
     gemm = CountedLinear(loaded.model.gemm, clock)
@@ -121,7 +121,7 @@ def main() -> None:
     runner.attention = AttentionImpl(runner.attention.decode, attn)
     forward = loaded.model.forward
     loaded.model.forward = lambda *a: clock.timed("forward", forward, *a)  # type: ignore[method-assign]
-    print(f"peak per core ({args.dtype}): " + (f"{peak:.0f} GFLOP/s" if peak else "unknown"))
+    print(f"peak ({args.dtype}): " + (peak.describe() if peak else "unknown"))
     results: list[dict[str, Any]] = []
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -135,12 +135,13 @@ def main() -> None:
                 "outside_forward_ms": (m["total"] - m["forward"]) * 1e3,
                 "gemm_gflops": m["gemm_flops"] / m["gemm"] / 1e9,
                 "attention_gflops": m["attention_flops"] / m["attention"] / 1e9,
-                "peak_gflops_per_core": peak,
+                "peak_gflops_per_core": peak.gflops_per_core if peak else None,
+                "peak_unit": peak.unit if peak else None,
             }  # fmt: skip
             share = ""
             if peak:
-                row["gemm_share_of_peak"] = row["gemm_gflops"] / (peak * threads)
-                row["attention_share_of_peak"] = row["attention_gflops"] / (peak * threads)
+                row["gemm_share_of_peak"] = peak.share(row["gemm_gflops"], threads)
+                row["attention_share_of_peak"] = peak.share(row["attention_gflops"], threads)
                 share = (
                     f" [{row['gemm_share_of_peak']:.0%} / {row['attention_share_of_peak']:.0%}"
                     " of peak]"

@@ -39,3 +39,45 @@ int baton_peak_has_dpbf16(void) { return 1; }
 float baton_peak_dpbf16(int64_t rounds) { return (float)rounds; }
 int baton_peak_has_dpbf16(void) { return 0; }
 #endif
+
+#include "../../shared/kernels/amx.h"
+#if defined(HAVE_AMX)
+/* rounds * 6 tdpbf16ps, each a 16 x 16 tile of sums over 32 bf16 products: 16,384
+ * FLOP. Six accumulator tiles (0-5) share the operands in tiles 6 and 7, more
+ * chains than the instruction's latency over its issue interval. 0 where Linux
+ * refuses the process AMX state. */
+float baton_peak_amx(int64_t rounds) {
+    if (!amx_permitted()) return 0.f;
+    amx_configure();
+    static uint16_t operand[AMX_ROWS * AMX_K];
+    float sums[AMX_ROWS * AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS * AMX_K; i++) operand[i] = 0x3000; /* bf16 ~4.7e-10 */
+    _tile_loadd(6, operand, 64);
+    _tile_loadd(7, operand, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t n = 0; n < rounds; n++) {
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_dpbf16ps(5, 6, 7);
+    }
+    float total = 0.f;
+    _tile_stored(0, sums, 64);
+    total += sums[0];
+    _tile_stored(5, sums, 64);
+    total += sums[AMX_ROWS * AMX_ROWS - 1];
+    _tile_release();
+    return total;
+}
+int baton_peak_has_amx(void) { return amx_permitted(); }
+#else
+float baton_peak_amx(int64_t rounds) { return (float)rounds; }
+int baton_peak_has_amx(void) { return 0; }
+#endif

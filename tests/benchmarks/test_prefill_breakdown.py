@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.peak import peak_gflops
+from benchmarks.peak import AMX_BF16, DPBF16, FMA32, core_peak
 from benchmarks.prefill_breakdown import CountedLinear, CountedPrefill
 from benchmarks.step_breakdown import Clock
+from shared.hardware import cpu_flags
 from shared.model.attention import PrefillSegment
 from shared.model.linear import TorchLinear
 from shared.model.prefill_attention import SdpaPrefill
@@ -14,9 +15,18 @@ from tests.shared.kernels.compiler import needs_cc
 
 
 @needs_cc
-def test_peak_is_measured_where_the_cpu_has_the_instruction() -> None:
-    fp32 = peak_gflops("float32", seconds=0.02)
-    assert fp32 is None or fp32 > 1.0  # GFLOP/s of one core: far above 1 on any AVX-512 CPU
+def test_peak_is_measured_on_the_unit_the_kernels_compute_with() -> None:
+    fp32 = core_peak("float32", seconds=0.02)
+    # GFLOP/s of one core: far above 1 on any AVX-512 CPU
+    assert fp32 is None or (fp32.unit == FMA32.name and fp32.gflops_per_core > 1.0)
+    bf16 = core_peak("bfloat16", seconds=0.02)
+    if "amx_bf16" in cpu_flags():  # the bf16 GEMM and attention run on AMX tiles here
+        assert bf16 is not None and bf16.unit == AMX_BF16.name
+        assert fp32 is not None and bf16.gflops_per_core > 4 * fp32.gflops_per_core
+    elif "avx512_bf16" in cpu_flags():
+        assert bf16 is not None and bf16.unit == DPBF16.name
+    if bf16 is not None:
+        assert bf16.share(bf16.gflops_per_core, 2) == 0.5
 
 
 def test_gemm_flops_come_from_the_shapes_run() -> None:
