@@ -27,7 +27,8 @@ from shared.engine.preemption import Preemption
 from shared.engine.request import CacheHit, Request, RequestStatus
 from shared.engine.request_queues import RequestQueues
 
-# a prompt alone in the engine is chunked at this multiple of the usual cap
+# a prompt alone in the engine is chunked at this multiple of the usual cap, times the
+# threads its step computes on (see Admission.chunk)
 ALONE_CHUNK_FACTOR = 4
 
 
@@ -45,6 +46,9 @@ class Admission:
         self.queues = queues
         self.loads = loads
         self.preemption = preemption
+        # the threads the next step computes on (Engine.set_num_threads): a lone
+        # prompt's chunk grows with them, so its step lasts about as long on any count
+        self.threads = 1
 
     def start(self, req: Request, budget: int) -> int | None:
         """Admit the request at the head of the queue, holding no slots; returns the
@@ -107,16 +111,20 @@ class Admission:
         """Tokens of a request to compute this step: at most ``budget``, and a prompt
         chunk at most ``long_prefill_token_threshold`` (so one long prompt does not
         hold every prompt queued behind it for its whole prefill). A request alone in
-        the engine takes :data:`ALONE_CHUNK_FACTOR` times that: nothing waits behind
-        it, and each chunk boundary costs a lone prompt time (a 512-token prompt
-        took 203 ms in two chunks against 173-187 ms in one, bf16, 2 AMD EPYC cores);
-        one arriving meanwhile waits for at most that larger chunk. So does every
-        prompt under ``shortest_prompt_first``, where each step computes one."""
+        the engine takes :data:`ALONE_CHUNK_FACTOR` times that for each thread the
+        step computes on: nothing waits behind it, and each chunk boundary costs a
+        lone prompt time (a 512-token prompt took 203 ms in two chunks against
+        173-187 ms in one, bf16, 2 AMD EPYC cores; a 2,048-token one served 3-4%
+        longer in two on 2 AMX cores). One arriving meanwhile waits for at most that
+        larger chunk, which lasts about as long on every thread count (a prefill
+        instance's elastic threads: on one core, beside a busy decode, its chunks
+        stay as short as they were). So does every prompt under
+        ``shortest_prompt_first``, where each step computes one."""
         cap = self.config.long_prefill_token_threshold
         if cap and self.config.enable_chunked_prefill:
             # one prompt per step: it computes alone whatever waits
             if len(self.queues.requests) <= 1 or self.config.shortest_prompt_first:
-                cap *= ALONE_CHUNK_FACTOR
+                cap *= ALONE_CHUNK_FACTOR * max(1, self.threads)
             remaining = min(remaining, cap)
         return remaining if budget is None else min(remaining, budget)
 

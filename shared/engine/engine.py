@@ -115,6 +115,7 @@ class Engine:
             connector=connector,
             swapper=self.swapper,
         )
+        self.scheduler.set_threads(torch.get_num_threads())
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, graphs)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.grammars = GrammarCompiler(
@@ -276,8 +277,10 @@ class Engine:
         return self.scheduler.finish(RequestId(request_id), FinishReason.ABORT) is not None
 
     def set_num_threads(self, n: int) -> None:
-        """Threads the next steps compute on (the results do not depend on it)."""
+        """Threads the next steps compute on (the results do not depend on it; a lone
+        prompt's chunks grow with them)."""
         torch.set_num_threads(n)
+        self.scheduler.set_threads(n)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -86,6 +86,10 @@ class Scheduler:
         self.queues = RequestQueues()
         self.admission = Admission(config, kv, self.queues, self.loads, self.preemption)
 
+    def set_threads(self, n: int) -> None:
+        """The threads the next steps compute on (a lone prompt's chunks grow with them)."""
+        self.admission.threads = n
+
     # -- arrivals ------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.limits.check_fits(req.num_prompt_tokens, req.params.max_tokens)

@@ -427,3 +427,24 @@ def test_a_prompt_sharing_a_prefix_being_computed_waits_to_reuse_it() -> None:
     while s.has_unfinished():
         run_step(s)
     assert_idle(s)
+
+
+def test_a_lone_prompts_chunk_grows_with_the_threads_its_steps_compute_on() -> None:
+    """A lone prompt's chunk is ALONE_CHUNK_FACTOR x the cap for each compute thread
+    (its step lasts about as long on any count); with another request here, the cap
+    holds whatever the count."""
+    s = make(budget=256, chunk_cap=8)
+    long = req(200, max_tokens=2)
+    s.add(long)
+    s.set_threads(2)
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [8 * ALONE_CHUNK_FACTOR * 2]
+    s.set_threads(1)
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [8 * ALONE_CHUNK_FACTOR]
+    s.set_threads(2)
+    short = req(5, max_tokens=2, first=60)
+    s.add(short)
+    out = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(long, 8), (short, 5)]
+    while s.has_unfinished():
+        run_step(s)
+    assert_idle(s)
