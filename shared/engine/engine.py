@@ -286,8 +286,13 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # -- the loop ----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, defer_copies: bool = False) -> list[RequestOutput]:
+        """Schedule and run one batch; its outputs. ``defer_copies``: copies out of the
+        pool that the connector may make after the outputs left (see
+        :meth:`KVConnector.flush`) wait for :meth:`flush_copies`, which the caller
+        runs once it handed the outputs over (or the next step does, first)."""
         if self.connector is not None:
+            self.connector.flush()  # before any slot can be reused
             self.scheduler.on_connector_events(self.connector.poll())
         scheduled = self.scheduler.schedule()
         self._swap_blocks(scheduled)
@@ -296,7 +301,15 @@ class Engine:
         if self.swapper is not None:
             tokens = scheduled.num_batched_tokens
             self.swapper.cost.observe_compute(tokens, time.perf_counter() - t0)
-        return self.output.outputs(self.scheduler.update(scheduled, sampled, failed))
+        outputs = self.output.outputs(self.scheduler.update(scheduled, sampled, failed))
+        if not defer_copies:
+            self.flush_copies()
+        return outputs
+
+    def flush_copies(self) -> None:
+        """The copies out of the pool the last step deferred past its outputs."""
+        if self.connector is not None:
+            self.connector.flush()
 
     def _swap_blocks(self, scheduled: SchedulerOutput) -> None:
         """Preempted requests' blocks out to host memory, resumed ones' back in."""

@@ -325,7 +325,7 @@ class EngineLoop:
             self._use_threads(self.threads.decide(after_idle=self._waited))
         t0 = time.perf_counter()
         self.stats.step_started(self.stats.threads or torch.get_num_threads(), t0)
-        outputs = self.engine.step()
+        outputs = self.engine.step(defer_copies=True)
         end = time.perf_counter()
         dt = end - t0
         self.stats.step_ended(end)
@@ -337,6 +337,7 @@ class EngineLoop:
         self._publish()
         if outputs:
             self._require_loop().call_soon_threadsafe(self._deliver, outputs)
+        self.engine.flush_copies()  # what waited for the outputs to leave
         # never paced while a prompt is computed here (a recompute, a lent prompt)
         if (
             self.pacer is not None

@@ -63,7 +63,9 @@ class KVConnector(ABC):
       engine frees the slots and recomputes). A load of a request that
       finishes early ends when :meth:`poll` reports it ``released``.
     - save: the slots of the requests in a step are read by :meth:`save_layer`
-      until :meth:`end_step` returns. Slots of a request for which
+      until :meth:`end_step` returns, or, where it deferred copies past the step's
+      outputs, until :meth:`flush` returns; the engine calls it before anything
+      reads or reuses a slot again. Slots of a request for which
       :meth:`request_finished` returned True are read until :meth:`poll`
       reports it ``released``; the engine keeps them until then. With
       sliding-window layers, a block's window part (see
@@ -107,6 +109,14 @@ class KVConnector(ABC):
         """The step's forward is done: block until no save reads its slots any more.
         Returns the requests whose in-step load failed: their outputs of this step are
         garbage and the engine recomputes them."""
+
+    def flush(self) -> None:
+        """Make the copies out of the pool that the last step deferred past its outputs
+        (none by default): the bytes a transfer sends only once the step's first token
+        has left need not delay that token. The engine calls it before its next step
+        schedules anything, and an engine loop as soon as the step's outputs are
+        handed over."""
+        return None
 
     @abstractmethod
     def request_finished(self, request: Request) -> bool:

@@ -29,6 +29,7 @@ copies that use it are done.
 from __future__ import annotations
 
 import asyncio
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,40 @@ class Ready:
         """Until the copies are done, without blocking the event loop."""
         if self.event is not None and not self.event.query():
             await asyncio.to_thread(self.event.synchronize)
+
+
+class Later(Ready):
+    """Completion of host copies out of the pool that the engine thread makes after the
+    step that asked for them (see :meth:`KVConnector.flush`): :meth:`run` copies, on the
+    engine thread, before anything can reuse the slots; a failed copy fails
+    :meth:`wait`, so the transfer that reads the rows fails instead of sending garbage."""
+
+    def __init__(self, copy: Callable[[], object]):
+        super().__init__()
+        self._copy: Callable[[], object] | None = copy
+        self._done = threading.Event()
+        self._error: Exception | None = None
+
+    def run(self) -> None:
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        try:
+            copy()
+        except Exception as exc:  # reported to the transfer by wait()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> None:
+        if not self._done.is_set():
+            await asyncio.to_thread(self._done.wait)
+        if self._error is not None:
+            raise RuntimeError("a deferred copy out of the KV pool failed") from self._error
 
 
 @dataclass(eq=False)

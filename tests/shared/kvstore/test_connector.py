@@ -31,6 +31,7 @@ from tests.shared.kvstore.fake_store import FakeKVStoreClient
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
 TEXT = "The harbour lights came on one by one as the fishing boats returned. " * 6
+OTHER_TEXT = "Snow fell all night on the quiet village below the mountain pass. " * 6
 
 
 class Node:
@@ -249,6 +250,57 @@ async def test_held_staged_blocks_leave_after_the_first_token(
         assert store.node.writes
         tokens = await d.decode(prompt, GREEDY, "d1", plan.put_ids, first.new_token_ids[0])
         assert tokens == expected
+
+
+async def test_whole_blocks_held_for_the_first_token_are_copied_once_it_is_out(
+    make_engine: EngineFactory,
+) -> None:
+    """A step that holds its staged whole blocks for its first token hands that token out
+    before it copies them: with ``defer_copies`` the copies wait for ``flush_copies`` (or
+    the engine's next step, which makes them first), so nothing can be written before,
+    even with ``send_staged`` set; then the store gets exactly the engine's own KV."""
+    store = fake_store(make_engine)
+    tokenizer = make_engine().tokenizer
+    connector = KVStoreConnector(
+        store,  # type: ignore[arg-type]
+        ConnectorMetrics(CollectorRegistry()),
+        caching=True,
+        load_timeout_s=60,
+        layerwise=lambda: False,
+    )
+    engine = make_engine(connector=connector, enable_prefix_caching=True)
+    connector.start(asyncio.get_running_loop(), lambda: None)
+    try:
+        for flush, text in (("flush_copies", TEXT), ("next step", OTHER_TEXT)):
+            prompt, rid = tokenizer.encode(text), f"p-{flush}"
+            req = engine.new_request(prompt, _first_only(GREEDY), request_id=rid)
+            plan = await connector.plan_prefill(req, hold_staged=True)
+            job = plan.put_job
+            assert job is not None
+            engine.add(req, kv_transfer=plan, detokenize=False)
+            outputs: list[RequestOutput] = []
+            while not outputs:
+                outputs = await asyncio.to_thread(engine.step, defer_copies=True)
+            assert outputs[0].new_token_ids and outputs[0].finished
+            job.send_staged.set()  # the token is out: only the deferred copies hold them
+            await asyncio.sleep(0.2)  # time enough for a write to be sent
+            assert not job.committed.done()
+            writes = len(store.node.writes)
+            if flush == "flush_copies":
+                await asyncio.to_thread(engine.flush_copies)
+            else:
+                assert await asyncio.to_thread(engine.step) == []
+            await asyncio.wait_for(asyncio.shield(job.committed), 60)
+            assert len(store.node.writes) > writes
+    finally:
+        await connector.close()
+    solo = make_engine()
+    solo.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    keys = solo.hasher.keys(prompt)
+    hits = solo.kv.local_hit(solo.new_request([*prompt, 1], GREEDY), len(keys))
+    for slot, block_id in zip(hits, plan.put_ids, strict=False):
+        expected = solo.kv_cache.block(slot).contiguous().view(torch.uint8).numpy().reshape(-1)
+        assert np.array_equal(store.node.blocks[block_id].data, expected)
 
 
 async def test_store_bytes_equal_the_engines_own_kv(make_engine: EngineFactory) -> None:
