@@ -412,7 +412,7 @@ class KVStoreConnector(KVConnector):
         step ends."""
         if self.copies.staged or self.pool_windowed or job.send_staged.is_set():
             return self._copy_parts(parts)
-        later = Later(lambda: self._copy_parts(parts))
+        later = Later(lambda: self._copy_parts(parts), self.tasks.soon)
         self._later.append(later)
         return later
 
@@ -423,6 +423,8 @@ class KVStoreConnector(KVConnector):
         return ready
 
     def flush(self) -> None:
+        if not self._later:
+            return
         later, self._later = self._later, []
         with torch.inference_mode():  # rows made in the forward are inference tensors
             for copy in later:

@@ -29,7 +29,6 @@ copies that use it are done.
 from __future__ import annotations
 
 import asyncio
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,13 +59,16 @@ class Ready:
 class Later(Ready):
     """Completion of host copies out of the pool that the engine thread makes after the
     step that asked for them (see :meth:`KVConnector.flush`): :meth:`run` copies, on the
-    engine thread, before anything can reuse the slots; a failed copy fails
-    :meth:`wait`, so the transfer that reads the rows fails instead of sending garbage."""
+    engine thread, before anything can reuse the slots, then has ``on_loop`` (the
+    event loop's thread-safe call) wake the waiters; a failed copy fails :meth:`wait`,
+    so the transfer that reads the rows fails instead of sending garbage."""
 
-    def __init__(self, copy: Callable[[], object]):
+    def __init__(self, copy: Callable[[], object], on_loop: Callable[[Callable[[], None]], object]):
         super().__init__()
         self._copy: Callable[[], object] | None = copy
-        self._done = threading.Event()
+        self._on_loop = on_loop
+        self._copied = asyncio.Event()  # bound to the loop at its first wait, set there
+        self._done = False
         self._error: Exception | None = None
 
     def run(self) -> None:
@@ -78,15 +80,15 @@ class Later(Ready):
         except Exception as exc:  # reported to the transfer by wait()
             self._error = exc
         finally:
-            self._done.set()
+            self._done = True
+            self._on_loop(self._copied.set)
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     async def wait(self) -> None:
-        if not self._done.is_set():
-            await asyncio.to_thread(self._done.wait)
+        await self._copied.wait()
         if self._error is not None:
             raise RuntimeError("a deferred copy out of the KV pool failed") from self._error
 

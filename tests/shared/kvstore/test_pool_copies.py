@@ -11,7 +11,7 @@ import torch
 from shared.engine.kv_cache_manager import Slot
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
-from shared.kvstore.pool_copies import InPlace, Staged, pool_copies
+from shared.kvstore.pool_copies import InPlace, Later, Staged, pool_copies
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16")
 
@@ -46,6 +46,29 @@ def test_in_place_hands_out_the_slots_own_bytes() -> None:
     assert torch.equal(staging[1], host_bytes(pool, 5))
     landing = copies.landing(slots(9))
     assert landing.rows[0].data_ptr() == pool.pool[9].data_ptr()
+
+
+async def test_a_later_copy_is_ready_once_run_on_another_thread() -> None:
+    """A copy deferred past a step: waiters block until the engine thread runs it, then
+    see its bytes; a copy that fails fails them rather than letting garbage be sent."""
+    loop = asyncio.get_running_loop()
+    pool = filled_pool("cpu")
+    rows = pool_copies(pool).staging(1, LAYOUT.block_bytes)
+    later = Later(lambda: rows[0].copy_(host_bytes(pool, 4)), loop.call_soon_threadsafe)
+    waiter = asyncio.ensure_future(later.wait())
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and not later.done
+    await asyncio.to_thread(later.run)
+    await asyncio.wait_for(waiter, 5)
+    assert later.done and torch.equal(rows[0], host_bytes(pool, 4))
+
+    def broken() -> None:
+        raise ValueError("no such slot")
+
+    failed = Later(broken, loop.call_soon_threadsafe)
+    await asyncio.to_thread(failed.run)
+    with pytest.raises(RuntimeError, match="deferred copy"):
+        await asyncio.wait_for(failed.wait(), 5)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
