@@ -41,6 +41,7 @@ _WRITE_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _I,
     _I,
     _I,
+    ctypes.c_int,
 ]
 
 
@@ -149,6 +150,7 @@ class PagedDecodeKernel:
             k_pool.shape[1],
             k_pool.shape[2] * k_pool.shape[3] * item,
             k_pool.stride(0) * item,
+            torch.get_num_threads(),
         )
         if rc != 0:
             raise IndexError("paged K/V write: a block or offset is outside the pool")

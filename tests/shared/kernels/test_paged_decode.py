@@ -196,6 +196,30 @@ def test_write_stores_what_an_indexed_write_stores(
     assert torch.equal(c.k_pool[blocks, offsets], v) and torch.equal(c.v_pool[blocks, offsets], k)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prompts_rows_are_written_as_an_indexed_write_on_any_thread_count(
+    kernel: PagedDecodeKernel, threads: int
+) -> None:
+    """A prompt's hundreds of rows (split over the threads) land where an indexed write
+    puts them, token after token through its blocks."""
+    c = make_case(dtype=torch.bfloat16, lens=[300], seed=5)
+    n, bs = 300, c.k_pool.shape[1]
+    qkv = torch.randn(n, 15 * 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(n, 3, 64), qkv[:, 12 * 64 :].view(n, 3, 64)
+    table = torch.tensor(c.tables[0], dtype=torch.int64)
+    blocks, offsets = table[torch.arange(n) // bs], torch.arange(n) % bs
+    want_k, want_v = c.k_pool.clone(), c.v_pool.clone()
+    want_k[blocks, offsets] = k
+    want_v[blocks, offsets] = v
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel.write(k, v, c.k_pool, c.v_pool, blocks, offsets)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(c.k_pool, want_k) and torch.equal(c.v_pool, want_v)
+
+
 def test_write_refuses_indexes_outside_the_pool(kernel: PagedDecodeKernel) -> None:
     c = make_case(dtype=torch.float32, lens=[16])
     k = torch.ones(2, 3, 64)
