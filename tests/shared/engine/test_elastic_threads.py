@@ -251,9 +251,9 @@ def test_switching_threads_between_steps_changes_no_result(cache_dir: Path, dtyp
         elastic = Engine(loaded, config)
         step, counts = elastic.step, iter(range(10_000))
 
-        def switching_step() -> list[RequestOutput]:
+        def switching_step(*, defer_copies: bool = False) -> list[RequestOutput]:
             elastic.set_num_threads(2 - next(counts) % 2)
-            return step()
+            return step(defer_copies=defer_copies)
 
         elastic.step = switching_step  # type: ignore[method-assign]
         switched = elastic.generate(prompts, params)
