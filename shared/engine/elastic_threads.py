@@ -15,6 +15,12 @@ sees running on this process's CPUs (``/proc/stat`` less this process's own):
   step saw is stale by then, and whatever else ran as it arrived (the gateway
   routing it, decode taking its half, the client) or a moment before (a
   benchmark's other engine, a finished stream) is no reason to halve it;
+  The one exception is a process that kept a core busy over each of the last two
+  tenths of a second (a load generator on the same machine:
+  :mod:`shared.engine.cpu_load`), whose core is left to it for the step: two threads
+  on one free core stall at every barrier, far slower than one. (The machine is read
+  for it while the engine waits for work: with the step's own threads busy,
+  ``/proc/stat``'s tick-sampled counts err by more than a light load);
 - between layers, at most every :data:`RECHECK_S`, it looks again: the count
   shrinks once other threads were seen on the cores this step took at
   :data:`PRESSED_CHECKS` looks in a row (the other role got busy) and grows back
@@ -38,6 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from shared.engine.cpu_load import CpuTimes, RecentLoad, busy_seconds, thread_seconds
+
 # a governor that has not looked at the machine for this long was idle: the next step
 # starts on every allowed core
 MAX_IDLE_S = 0.5
@@ -58,6 +66,11 @@ class CpuSource(Protocol):
     def busy_siblings(self) -> int:
         """Engine threads of the other roles started beside this process running or
         runnable at this moment."""
+        ...
+
+    def cpu_times(self) -> CpuTimes:
+        """Cumulative CPU time of this process's cores, and of this process and the
+        siblings' engine threads (:mod:`shared.engine.cpu_load`)."""
         ...
 
     @property
@@ -90,13 +103,16 @@ class ThreadGovernor:
         self._looked = -1e9  # when a step began or a recheck read the machine, last
         self._pressed = 0  # checks in a row that found our cores wanted
         self._relaxed = 0  # checks in a row that found more cores free than we use
+        self.load = RecentLoad()  # what other processes kept busy lately
+        # cores the other processes held at the last look (read from any thread)
+        self.held = 0
 
     def decide(self, after_idle: bool = False) -> int:
         """The thread count of the step about to start; ``after_idle``: the engine
         waited for work since its last step (what that step saw is stale)."""
         at = self._clock()
         if after_idle or at - self._looked > MAX_IDLE_S:  # idle since the last step
-            busy = self.source.busy_siblings()
+            busy = self.source.busy_siblings() + self._held(at)
             self._set(threads_for(self.source.cpus, busy, self.min_threads, self.max_threads))
             self._pressed = self._relaxed = 0
         self._looked = at
@@ -114,12 +130,28 @@ class ThreadGovernor:
         self._looked = at
         running = self.source.running_others()
         free = threads_for(self.source.cpus, running, self.min_threads, self.max_threads)
+        # a core the step started without (another process held it) stays the other's
+        # for the step, whether or not that process runs at these looks
+        ceiling = threads_for(self.source.cpus, self.held, self.min_threads, self.max_threads)
         self._pressed = self._pressed + 1 if free < self.current else 0
-        self._relaxed = self._relaxed + 1 if free > self.current else 0
+        self._relaxed = self._relaxed + 1 if min(free, ceiling) > self.current else 0
         if self._pressed >= PRESSED_CHECKS or self._relaxed >= PRESSED_CHECKS:
-            self._set(free)
+            self._set(min(free, ceiling))
             self._pressed = self._relaxed = 0
         return self.current
+
+    def observe(self) -> None:
+        """A look at the machine while the engine waits for work (every
+        :data:`~shared.engine.cpu_load.IDLE_LOOK_S`), so that the window the next
+        step's count is decided on ends at its start."""
+        self._held(self._clock())
+
+    def _held(self, at: float) -> int:
+        """Cores other processes kept busy lately (the machine is read when due)."""
+        if self.load.due(at):
+            self.load.add(self.source.cpu_times())
+            self.held = self.load.held_cores()
+        return self.held
 
     def _set(self, threads: int) -> None:
         if threads != self.current:
@@ -151,6 +183,8 @@ class ProcStatSource:
         self._siblings: list[str] = []  # /proc stat paths of the siblings' engine threads
         self._found_at = -math.inf
         self._own = _OwnThreads()
+        self._siblings_seen: dict[str, float] = {}  # each engine thread's CPU seconds, last read
+        self._siblings_total = 0.0
 
     @staticmethod
     def available() -> bool:
@@ -174,13 +208,34 @@ class ProcStatSource:
         return max(0, running - max(own, self._own.running()))
 
     def busy_siblings(self) -> int:
+        return sum(_running(path) for path in self._sibling_paths())
+
+    def cpu_times(self) -> CpuTimes:
+        at = self._clock()
+        with open(self.path, encoding="ascii") as f:
+            machine = busy_seconds(f, self._allowed)
+        return CpuTimes(at, machine, time.process_time() + self._siblings_seconds())
+
+    def _siblings_seconds(self) -> float:
+        """The siblings' engine threads' CPU time since this source first saw each (a
+        thread that ends, or one found later, never moves the sum backwards)."""
+        seen = {}
+        for path in self._sibling_paths():
+            stat = _read_stat(path)
+            if stat is not None:
+                now = seen[path] = thread_seconds(stat)
+                self._siblings_total += max(0.0, now - self._siblings_seen.get(path, now))
+        self._siblings_seen = seen
+        return self._siblings_total
+
+    def _sibling_paths(self) -> list[str]:
         if self._engine_thread is None:
-            return 0
+            return []
         now = self._clock()
         if now - self._found_at > SIBLINGS_REFRESH_S:
             self._siblings = sibling_threads(self._engine_thread, self._parent)
             self._found_at = now
-        return sum(_running(path) for path in self._siblings)
+        return self._siblings
 
 
 def sibling_threads(name: str, parent: int | None = None) -> list[str]:
@@ -206,12 +261,16 @@ def sibling_threads(name: str, parent: int | None = None) -> list[str]:
 
 def _running(stat_path: str) -> bool:
     """Whether the thread is running or runnable (False once it ended)."""
+    stat = _read_stat(stat_path)
+    return stat is not None and stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R"
+
+
+def _read_stat(stat_path: str) -> str | None:
     try:
         with open(stat_path, encoding="ascii", errors="replace") as f:
-            stat = f.read()
+            return f.read()
     except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R"
+        return None
 
 
 class _OwnThreads:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from shared.engine.cpu_load import IDLE_LOOK_S
 from shared.engine.elastic_threads import ThreadGovernor
 from shared.engine.engine import Engine
 from shared.engine.kv_events import KVEvents
@@ -288,7 +289,7 @@ class EngineLoop:
                 try:
                     if not runnable:
                         self._waited = True
-                        cmd = self._commands.get()
+                        cmd = self._wait_for_command()
                     else:  # a paced step waits for its time, taking commands meanwhile
                         wait = self._not_before - time.perf_counter()
                         cmd = (
@@ -308,6 +309,16 @@ class EngineLoop:
             self.failure = exc
             log.exception("engine loop died")
             self._require_loop().call_soon_threadsafe(self._fail_all)
+
+    def _wait_for_command(self) -> Callable[[], None] | None:
+        """The next command; meanwhile the governor looks at the machine now and then."""
+        if self.threads is None:
+            return self._commands.get()
+        while True:
+            try:
+                return self._commands.get(timeout=IDLE_LOOK_S)
+            except queue.Empty:
+                self.threads.observe()
 
     def _publish(self) -> None:
         self.snapshot = self.engine.snapshot()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shared.config import EngineConfig, SchedulerConfig
+from shared.engine.cpu_load import IDLE_LOOK_S, LOAD_WINDOW_S, CpuTimes, RecentLoad, busy_seconds
 from shared.engine.elastic_threads import (
     MAX_IDLE_S,
     PRESSED_CHECKS,
@@ -104,6 +105,91 @@ def test_a_step_after_waiting_leaves_the_cores_a_streaming_role_computes_on() ->
     assert gov.decide(after_idle=True) == 2
     src.running = 3  # the gateway, decode's event loop and the client, as a prompt arrives
     assert gov.decide(after_idle=True) == 2
+
+
+def idle(gov: ThreadGovernor, src: FakeCpuSource, seconds: float) -> None:
+    """The engine waiting for work for ``seconds``, looking at the machine meanwhile."""
+    for _ in range(round(seconds / IDLE_LOOK_S)):
+        src.advance(IDLE_LOOK_S)
+        gov.observe()
+
+
+def test_a_step_after_waiting_leaves_the_core_a_busy_process_holds() -> None:
+    """A load generator on the same machine (one core's worth, steadily): the next
+    prompt starts on the core it leaves, whether or not it runs at that instant (two
+    threads beside it stall at every barrier). A light client's share, or a burst
+    that ended a moment before the prompt came, does not cost the prompt a core."""
+    src = FakeCpuSource()
+    gov = governor(src)
+    assert gov.decide(after_idle=True) == 2  # nothing seen yet: every core
+    src.others_load = 0.95
+    idle(gov, src, 1.0)
+    assert gov.decide(after_idle=True) == 1  # not running at this instant, yet busy
+    assert [recheck(gov, src) for _ in range(2 * PRESSED_CHECKS)] == [1] * (2 * PRESSED_CHECKS)
+    src.others_load = 0.0  # it stopped: the next prompt gets every core again
+    idle(gov, src, 2 * LOAD_WINDOW_S)
+    assert gov.decide(after_idle=True) == 2
+    src.others_load = 2.0  # a benchmark's other engine on both cores ...
+    idle(gov, src, 0.3)
+    src.others_load = 0.2  # ... done a moment ago; a light client and the gateway streaming
+    idle(gov, src, LOAD_WINDOW_S + IDLE_LOOK_S)
+    src.running = 2  # ... and both running as the prompt arrives
+    assert gov.decide(after_idle=True) == 2
+
+
+def test_a_step_started_beside_a_busy_process_leaves_it_its_core_throughout() -> None:
+    """Started on the core a load generator leaves, the step does not grow onto the
+    other at the looks that miss it running (it runs now and then, as aiperf's timing
+    loop does); it still shrinks to its floor and grows back as other threads come
+    and go (the decode role)."""
+    src = FakeCpuSource(cpus=4)
+    gov = governor(src, 1, 4)
+    src.others_load = 1.0
+    idle(gov, src, 1.0)
+    assert gov.decide(after_idle=True) == 3
+    src.running = 0  # not caught at these looks
+    assert [recheck(gov, src) for _ in range(2 * PRESSED_CHECKS)] == [3] * (2 * PRESSED_CHECKS)
+    src.running = 2  # two more threads elsewhere: shrinks
+    assert [recheck(gov, src) for _ in range(PRESSED_CHECKS)][-1] == 2
+    src.running = 0  # ... and grows back, to the step's ceiling only
+    assert [recheck(gov, src) for _ in range(2 * PRESSED_CHECKS)][-1] == 3
+
+
+def test_recent_load_is_the_other_processes_share_over_both_of_the_last_two_windows() -> None:
+    load = RecentLoad(window_s=0.125, windows=2)  # times in binary fractions: exact arithmetic
+
+    def at(t: float, machine: float, ours: float) -> float:
+        load.add(CpuTimes(at=t, machine=machine, ours=ours))
+        return load.cores()
+
+    assert load.cores() == 0.0
+    assert at(0.0, 0.0, 0.0) == 0.0
+    assert at(0.125, 0.1, 0.0) == 0.0  # one window (0.8 cores): not two yet
+    assert not load.due(0.13) and load.due(0.140625)
+    # 0.125-0.25: 0.225 CPU-seconds busy, 0.125 of them ours and our siblings'
+    assert at(0.25, 0.325, 0.125) == pytest.approx(0.8)
+    assert load.held_cores() == 1
+    # the others stop: the newest window shows it at once
+    assert at(0.375, 0.45, 0.25) == pytest.approx(0.0)
+    assert load.held_cores() == 0
+    # a burst of two cores for one window, then a light 0.25: never held
+    assert at(0.5, 0.825, 0.375) == pytest.approx(0.0)  # the older window: 0
+    assert at(0.625, 0.98125, 0.5) == pytest.approx(0.25)  # min(2.0 then 0.25)
+    assert load.held_cores() == 0
+    assert len(load._readings) <= 5  # what no window can start at any more is dropped
+
+
+def test_busy_seconds_reads_the_engines_cores_from_proc_stat() -> None:
+    stat = [
+        "cpu  300 0 100 1000 5 0 0 0 0 0",
+        "cpu0 100 0 50 500 5 0 0 0 0 0",
+        "cpu1 200 7 50 500 0 3 2 9 0 0",
+        "intr 12345",
+    ]
+    hz = os.sysconf("SC_CLK_TCK")
+    assert busy_seconds(stat, [1]) == pytest.approx((200 + 7 + 50 + 3 + 2) / hz)
+    assert busy_seconds(stat, [0, 1]) == pytest.approx((150 + 262) / hz)
+    assert busy_seconds(stat, [5]) == 0.0
 
 
 def test_between_layers_it_follows_the_other_processes() -> None:
@@ -195,6 +281,36 @@ def test_sibling_engine_threads_are_found_by_name_and_read_running() -> None:
 def test_proc_stat_source_reads_this_machine() -> None:
     src = ProcStatSource()
     assert src.cpus >= 1 and src.running_others() >= 0
+
+
+@pytest.mark.skipif(not ProcStatSource.available(), reason="no /proc/stat")
+def test_a_process_spinning_beside_this_one_is_seen_as_a_held_core() -> None:
+    """The real machine: a child spinning on one of this process's cores for a second
+    is read as about one core of other processes' sustained load; this process's own
+    spinning is not."""
+    cpu = min(os.sched_getaffinity(0))
+    src = ProcStatSource(cpus=frozenset({cpu}))
+    load = RecentLoad(window_s=0.3, windows=1)
+    load.add(src.cpu_times())
+    end = time.monotonic() + 0.4
+    while time.monotonic() < end:  # this process spinning: its own time
+        pass
+    load.add(src.cpu_times())
+    assert load.held_cores() == 0, load.cores()
+    spin = (
+        f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
+        "end = time.time() + 30\nwhile time.time() < end: pass\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child started and spins
+        load.add(src.cpu_times())
+        time.sleep(0.4)
+        load.add(src.cpu_times())
+        assert load.held_cores() == 1, load.cores()
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.skipif(not ProcStatSource.available(), reason="no /proc/stat")
