@@ -102,10 +102,13 @@ class Prefiller(Worker):
         Asked as a prompt is accepted too (the latest step's threads foretell its own),
         so the gateway opens its decode only after the first token when no core is
         left: opened alongside, the decode's setup took ~7 ms of a 512-token prompt's
-        155 ms of compute, and its load could not start before then anyway."""
+        155 ms of compute, and its load could not start before then anyway. A core
+        another process keeps busy (a load generator beside the cluster) is no core left."""
         threads = self._loop.stats.threads if self._loop is not None else 0
         threads = threads or self.baton.num_threads or 0  # before its first step
-        return 0 < threads < self._engine_cpus
+        governor = self._loop.threads if self._loop is not None else None
+        held = governor.held if governor is not None else 0
+        return 0 < threads < self._engine_cpus - held
 
     def _kv_after_first_token(self, plan: StorePlan, whole: bool) -> bool:
         """Whether none of the prompt's KV can reach a decode before its first token:
