@@ -14,13 +14,13 @@ sees running on this process's CPUs (``/proc/stat`` less this process's own):
   of the processes started beside this one: decode streaming). What the last
   step saw is stale by then, and whatever else ran as it arrived (the gateway
   routing it, decode taking its half, the client) or a moment before (a
-  benchmark's other engine, a finished stream) is no reason to halve it;
-  The one exception is a process that kept a core busy over each of the last two
-  tenths of a second (a load generator on the same machine:
-  :mod:`shared.engine.cpu_load`), whose core is left to it for the step: two threads
-  on one free core stall at every barrier, far slower than one. (The machine is read
-  for it while the engine waits for work: with the step's own threads busy,
-  ``/proc/stat``'s tick-sampled counts err by more than a light load);
+  benchmark's other engine, a finished stream) is no reason to halve it. The one
+  exception is a process that kept a core busy over each of the last three 50 ms
+  windows (a load generator on the same machine: :mod:`shared.engine.cpu_load`),
+  whose core is left to it for the step: two threads on one free core stall at
+  every barrier, far slower than one. (The machine is read for it while the engine
+  waits for work: with the step's own threads busy, ``/proc/stat``'s tick-sampled
+  counts err by more than a light load);
 - between layers, at most every :data:`RECHECK_S`, it looks again: the count
   shrinks once other threads were seen on the cores this step took at
   :data:`PRESSED_CHECKS` looks in a row (the other role got busy) and grows back
