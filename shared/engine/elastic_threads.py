@@ -17,10 +17,10 @@ sees running on this process's CPUs (``/proc/stat`` less this process's own):
   benchmark's other engine, a finished stream) is no reason to halve it. The one
   exception is a process that kept a core busy over each of the last three 50 ms
   windows (a load generator on the same machine: :mod:`shared.engine.cpu_load`),
-  whose core is left to it for the step: two threads on one free core stall at
-  every barrier, far slower than one. (The machine is read for it while the engine
-  waits for work: with the step's own threads busy, ``/proc/stat``'s tick-sampled
-  counts err by more than a light load);
+  whose core the step starts without: two threads on one free core stall at every
+  barrier, far slower than one. (The machine is read for it while the engine waits
+  for work: with the step's own threads busy, ``/proc/stat``'s tick-sampled counts
+  err by more than a light load);
 - between layers, at most every :data:`RECHECK_S`, it looks again: the count
   shrinks once other threads were seen on the cores this step took at
   :data:`PRESSED_CHECKS` looks in a row (the other role got busy) and grows back
@@ -130,13 +130,10 @@ class ThreadGovernor:
         self._looked = at
         running = self.source.running_others()
         free = threads_for(self.source.cpus, running, self.min_threads, self.max_threads)
-        # a core the step started without (another process held it) stays the other's
-        # for the step, whether or not that process runs at these looks
-        ceiling = threads_for(self.source.cpus, self.held, self.min_threads, self.max_threads)
         self._pressed = self._pressed + 1 if free < self.current else 0
-        self._relaxed = self._relaxed + 1 if min(free, ceiling) > self.current else 0
+        self._relaxed = self._relaxed + 1 if free > self.current else 0
         if self._pressed >= PRESSED_CHECKS or self._relaxed >= PRESSED_CHECKS:
-            self._set(min(free, ceiling))
+            self._set(free)
             self._pressed = self._relaxed = 0
         return self.current
 
