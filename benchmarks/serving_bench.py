@@ -53,14 +53,14 @@ MODEL = "SmolLM2-135M-Instruct"
 @dataclass
 class Sample:
     ttft: float
-    tpot: float
+    tpot: float | None  # None for a one-token answer: no time between tokens
     handoff_gap: float
 
 
 def timeline_sample(arrival: float, stamps: list[float]) -> Sample:
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     ttft = stamps[0] - arrival
-    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
     later = statistics.median(gaps[1:]) if len(gaps) > 1 else 0.0
     return Sample(ttft, tpot, gaps[0] - later if gaps else 0.0)
 
@@ -118,6 +118,8 @@ def main() -> None:
         "--env", action="append", default=[], help="KEY=VALUE for every service (repeatable)"
     )
     args = ap.parse_args()
+    if args.max_tokens < 2:
+        ap.error("--max-tokens must be at least 2: TPOT needs two tokens")
 
     torch.set_num_threads(1)
     engine = Engine.from_config(
@@ -164,8 +166,9 @@ def main() -> None:
                 exposed = after["exposed_transfer"] - before["exposed_transfer"]
                 queue = after["queue"] - before["queue"]
 
-                def med(xs: list[Sample], key: str) -> float:
-                    return statistics.median(getattr(x, key) for x in xs)
+                def med(xs: list[Sample], key: str) -> float | None:
+                    got = [v for x in xs if (v := getattr(x, key)) is not None]
+                    return statistics.median(got) if got else None
 
                 row = {
                     "prompt_tokens": length,
