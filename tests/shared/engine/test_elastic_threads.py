@@ -281,6 +281,26 @@ def test_proc_stat_source_reads_this_machine() -> None:
     assert src.cpus >= 1 and src.running_others() >= 0
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _wait_until_spinning(pid: int, timeout_s: float = 30.0) -> None:
+    """Until the child has run its interpreter's start-up and spun a while (its own CPU
+    time, not a fixed sleep: a loaded machine starts it late)."""
+    deadline = time.monotonic() + timeout_s
+    start = None
+    while time.monotonic() < deadline:
+        used = _cpu_seconds(pid)
+        if start is None and used >= 0.05:
+            start = used
+        if start is not None and used - start >= 0.1:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the spinning child {pid} did not spin within {timeout_s} s")
+
+
 @pytest.mark.skipif(not ProcStatSource.available(), reason="no /proc/stat")
 def test_a_process_spinning_beside_this_one_is_seen_as_a_held_core() -> None:
     """The real machine: a child spinning on one of this process's cores for a second
@@ -301,7 +321,7 @@ def test_a_process_spinning_beside_this_one_is_seen_as_a_held_core() -> None:
     )
     child = subprocess.Popen([sys.executable, "-c", spin])
     try:
-        time.sleep(0.3)  # the child started and spins
+        _wait_until_spinning(child.pid)
         load.add(src.cpu_times())
         time.sleep(0.4)
         load.add(src.cpu_times())
