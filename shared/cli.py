@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-threads",
         type=int,
         default=None,
-        help="prefill grows to this many threads while the other processes leave cores "
-        "idle (default: the machine's CPUs; with --pin, or equal to --threads: fixed)",
+        help="prefill and decode grow to this many threads while the other processes leave "
+        "cores idle (default: the machine's CPUs; with --pin, or equal to --threads: fixed)",
     )
     up.add_argument(
         "--kv-cache-gb",

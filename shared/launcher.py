@@ -89,8 +89,9 @@ class Topology:
     model: str | None = None
     dtype: str | None = None
     threads: int | None = 1  # per prefill/decode process
-    # prefill grows up to this many threads while other cores are idle (decode stays at
-    # `threads`: its short steps lost more to sharing cores than they gained)
+    # prefill and decode grow up to this many threads while other cores are idle (a
+    # lone stream's steps, a prompt while decode waits), back to `threads` when the
+    # other role or another process needs them
     max_threads: int | None = None
     kv_cache_gb: float | None = None  # per prefill/decode process
     kvstore_gb: float | None = None
@@ -161,7 +162,7 @@ def plan(topo: Topology) -> list[ServiceSpec]:
                 env["BATON_ENGINE_CPUS"] = topo.engine_cpus[role]
             if topo.threads:
                 env["BATON_NUM_THREADS"] = str(topo.threads)
-            if topo.max_threads and role == "prefill":
+            if topo.max_threads and role in ("prefill", "decode"):
                 env["BATON_MAX_THREADS"] = str(topo.max_threads)
             if topo.kv_cache_gb:
                 env["BATON_KV_CACHE_GB"] = repr(topo.kv_cache_gb)

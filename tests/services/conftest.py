@@ -93,7 +93,7 @@ def start_cluster(
             ports=picker,
             transport="ucx",
             threads=1,
-            max_threads=max_threads,  # prefill's elastic ceiling (None: fixed at 1)
+            max_threads=max_threads,  # prefill's and decode's elastic ceiling (None: fixed at 1)
             dtype="float32",  # what the in-process reference engines compute in
             kv_cache_gb=kv_cache_gb,
             kvstore_gb=kvstore_gb,

@@ -113,12 +113,13 @@ def test_plan_pins_the_decode_engine_thread_apart_from_its_io() -> None:
     assert env["prefill"]["BATON_CPUS"] == "0" and "BATON_ENGINE_CPUS" not in env["prefill"]
 
 
-def test_only_prefill_gets_elastic_threads() -> None:
+def test_prefill_and_decode_get_elastic_threads() -> None:
     topo = Topology(redis_url="redis://r:1/0", threads=1, max_threads=2)
     env = {s.role: s.env for s in plan(topo)}
-    assert env["prefill"]["BATON_NUM_THREADS"] == "1"
-    assert env["prefill"]["BATON_MAX_THREADS"] == "2"
-    assert env["decode"]["BATON_NUM_THREADS"] == "1" and "BATON_MAX_THREADS" not in env["decode"]
+    for role in ("prefill", "decode"):
+        assert env[role]["BATON_NUM_THREADS"] == "1"
+        assert env[role]["BATON_MAX_THREADS"] == "2"
+    assert "BATON_MAX_THREADS" not in env["kvstore"] and "BATON_MAX_THREADS" not in env["gateway"]
 
 
 def test_mixed_runs_every_worker_as_a_mixed_instance_of_its_home_role() -> None:
