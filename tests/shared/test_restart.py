@@ -1,5 +1,5 @@
 """Stopping and starting again on the same ports: ``baton up`` ten times in a row, each
-listener kind binding over connections its last run left in TIME_WAIT; a port that another
+listener kind binding over a connection in TIME_WAIT on its port; a port that another
 process really holds is one line naming it and a non-zero exit; a failed start-up keeps its
 traceback inside the JSON record (``exc``), never as the message."""
 
@@ -30,7 +30,7 @@ from shared.transport.tcp import TcpTransport
 MODEL = "SmolLM2-135M-Instruct"
 ROUNDS = 10
 # more than one KV block (16 tokens): prefill writes to the store, so every round uses
-# the data plane and the store's listener is left with connections in TIME_WAIT
+# the data plane (which may leave connections in TIME_WAIT on the store's listener)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 5
 TIME_WAIT = "06"  # /proc/net/tcp state
 
