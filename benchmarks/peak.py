@@ -1,9 +1,9 @@
 """This core's arithmetic peak, measured (``benchmarks/native/peak.c``): GFLOP/s of one
 instruction issued back to back on one thread, the one the kernels compute ``dtype``
-with here. fp32: vfmadd231ps. bf16: AMX's tdpbf16ps where the CPU has it and Linux
-lends the process its tile state (the GEMM and attention kernels then run on AMX),
-else vdpbf16ps. The benchmarks that report efficiency divide by it times their
-thread count."""
+with here. fp32: vfmadd231ps (on zmm, else ymm). bf16: AMX's tdpbf16ps where the CPU
+has it and Linux lends the process its tile state (the GEMM and attention kernels then
+run on AMX), else vdpbf16ps. The benchmarks that report efficiency divide by it times
+their thread count."""
 
 from __future__ import annotations
 
@@ -31,12 +31,14 @@ class Unit:
 
 # 16 chains of vfmadd231ps zmm: 32 fp32 FLOP each
 FMA32 = Unit("vfmadd231ps", "fma32", 16 * 32)
+# 12 chains of vfmadd231ps ymm: 16 fp32 FLOP each (CPUs without AVX-512)
+FMA32_YMM = Unit("vfmadd231ps ymm", "fma32_ymm", 12 * 16)
 # 16 chains of vdpbf16ps zmm: 32 products and 32 sums each
 DPBF16 = Unit("vdpbf16ps", "dpbf16", 16 * 64)
 # 6 tdpbf16ps a round, each a 16 x 16 tile of sums over 32 products
 AMX_BF16 = Unit("AMX tdpbf16ps", "amx", 6 * 16 * 16 * 32 * 2)
 
-UNITS = {"float32": (FMA32,), "bfloat16": (AMX_BF16, DPBF16)}  # the first present wins
+UNITS = {"float32": (FMA32, FMA32_YMM), "bfloat16": (AMX_BF16, DPBF16)}  # the first present wins
 
 
 @dataclass(frozen=True)

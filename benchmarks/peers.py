@@ -7,7 +7,8 @@ written (``peers.md`` and ``peers.json`` in ``--out``).
 
 Baton runs as a user starts it: ``baton up`` with its defaults (``--dtype auto``).
 vLLM serves the converted checkpoint Baton loads (fp32 safetensors of the GGUF's
-dequantized weights) in bf16; llama.cpp serves GGUF files requantized from the same
+dequantized weights) in bf16 (``--vllm-dtype``: also or instead fp32, the
+fair peer where the CPU has no native bf16); llama.cpp serves GGUF files requantized from the same
 Q4_1 file (BF16, Q8_0), at each thread count given. How to install the peers (each in
 its own place, never in Baton's venv) is in docs/benchmarks.md.
 
@@ -111,15 +112,20 @@ def baton_server(
     return Server(f"Baton (baton up, {label})", [*cmd, *args], port, "/ready")
 
 
-def vllm_server(python: str, folder: Path, threads: int, model: str = MODEL) -> Server:
+VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def vllm_server(
+    python: str, folder: Path, threads: int, model: str = MODEL, dtype: str = "bfloat16"
+) -> Server:
     port = free_port()
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-        "--served-model-name", model, "--dtype", "bfloat16", "--port", str(port),
+        "--served-model-name", model, "--dtype", dtype, "--port", str(port),
         "--max-model-len", "8192",
     ]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
-    return Server("vLLM CPU, bf16", cmd, port, "/v1/models", env)
+    return Server(f"vLLM CPU, {VLLM_DTYPES[dtype]}", cmd, port, "/v1/models", env)
 
 
 def llama_server(binary: str, quant: str, gguf: Path, threads: int, model: str = MODEL) -> Server:
@@ -252,6 +258,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (else skipped)")
     p.add_argument("--vllm-threads", type=int, default=2, help="cores vLLM binds")
     p.add_argument("--vllm-model", type=Path, default=None, help="HF folder (default: Baton's)")
+    p.add_argument(
+        "--vllm-dtype", nargs="+", choices=sorted(VLLM_DTYPES), default=["bfloat16"],
+        help="vLLM's dtype(s), each its own server (float32 where the CPU lacks native bf16)",
+    )  # fmt: skip
     p.add_argument("--llama-server", default=None, help="llama-server binary (else skipped)")
     p.add_argument(
         "--gguf", action="append", default=[], metavar="QUANT=PATH", help="llama.cpp models"
@@ -282,22 +292,29 @@ def baton_servers(
 
 
 def vllm_on_batons_model(
-    python: str, threads: int, folder: Path | None = None, model: str = MODEL
+    python: str,
+    threads: int,
+    folder: Path | None = None,
+    model: str = MODEL,
+    dtype: str = "bfloat16",
 ) -> Server:
     """vLLM serving ``folder``, by default the checkpoint Baton converted."""
     if folder is None:
         from shared.model.registry import resolve
 
         folder = resolve(model, default_cache_dir(), progress=False).folder
-    return vllm_server(python, folder, threads, model)
+    return vllm_server(python, folder, threads, model, dtype)
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
     out = baton_servers(args.baton_python, args.baton_variant, model=args.model)
     if args.vllm_python:
-        out.append(
-            vllm_on_batons_model(args.vllm_python, args.vllm_threads, args.vllm_model, args.model)
-        )
+        for dtype in args.vllm_dtype:
+            out.append(
+                vllm_on_batons_model(
+                    args.vllm_python, args.vllm_threads, args.vllm_model, args.model, dtype
+                )
+            )
     if args.llama_server:
         for spec in args.gguf:
             quant, _, path = spec.partition("=")

@@ -41,7 +41,7 @@
 #define BATON_ATTENTION_TILE_H
 #if defined(__AVX512BF16__)
 #define HAVE_ATTENTION_TILE 1
-#include <pthread.h>
+#include "thread_scratch.h"
 
 #define TILE_ROWS 32     /* rows of a prefill tile (whole tokens of a group) */
 #define SCORE_ROWS 6     /* rows of a scores block */
@@ -108,45 +108,6 @@ INLINE int64_t keys_width(int64_t len) { return keys_padded(len) + 16; }
 
 /* Floats of one KV head's transposed keys. */
 INLINE int64_t keys_scratch_floats(int64_t d, int64_t len) { return (d / 2) * keys_width(len); }
-
-/* This thread's scratch of at least n floats in one of its slots (rows, keys,
- * values), kept for its next call: a fresh allocation of this size is mapped
- * anew each time, and decode would pay its page faults on every layer of
- * every step. Freed when the thread ends; NULL when memory is short. */
-enum { ROWS_SLOT, KEYS_SLOT, VALUES_SLOT, SLOTS };
-typedef struct {
-    float *buf[SLOTS];
-    int64_t cap[SLOTS];
-} ThreadScratch;
-
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-
-static void scratch_free(void *p) {
-    ThreadScratch *ts = p;
-    for (int i = 0; i < SLOTS; i++) free(ts->buf[i]);
-    free(ts);
-}
-static void scratch_key_make(void) { pthread_key_create(&scratch_key, scratch_free); }
-
-static float *thread_scratch(int slot, int64_t n) {
-    pthread_once(&scratch_once, scratch_key_make);
-    ThreadScratch *ts = pthread_getspecific(scratch_key);
-    if (ts == NULL) {
-        ts = calloc(1, sizeof *ts);
-        if (ts == NULL || pthread_setspecific(scratch_key, ts) != 0) {
-            free(ts);
-            return NULL;
-        }
-    }
-    if (n > ts->cap[slot]) {
-        free(ts->buf[slot]);
-        ts->cap[slot] = (n + 1023) / 1024 * 1024;
-        ts->buf[slot] = aligned_alloc(64, sizeof(float) * (size_t)ts->cap[slot]);
-        if (ts->buf[slot] == NULL) ts->cap[slot] = 0;
-    }
-    return ts->buf[slot];
-}
 
 /* The 16 x 16 transpose of 32-bit elements: r[u][i] -> r[i][u]. */
 INLINE void transpose16(__m512i r[16]) {

@@ -273,6 +273,7 @@ DEFINE_HEAD_V(vhead_bf16, uint16_t, scores_bf16, values_bf16, bf16_to_f32)
 #define HAVE_VECTOR_HEAD 1
 #include "attention_tile.h"
 #endif
+#include "attention_avx2.h" /* AVX2 without AVX-512: the fp32 tile */
 
 /* One task: picks the vector path where it applies, else the portable one.
  * head_dim 64 and 128 (the common Llama sizes) and groups up to VMAX_GROUP are
@@ -353,7 +354,44 @@ DEFINE_TASK(task_bf16, uint16_t, head_bf16, vhead_bf16)
         return failed ? 2 : 0;                                                            \
     }
 
+#if !defined(HAVE_ATTENTION_AVX2)
 DEFINE_ENTRY(baton_paged_decode_f32, task_f32, float)
+#else
+DEFINE_ENTRY(decode_f32_untiled, task_f32, float)
+/* fp32 decode on AVX2: each (sequence, KV head) pair is a tile of the group's
+ * query heads over the sequence's keys. */
+int baton_paged_decode_f32(const float *q, const float *k, const float *v, float *out,
+                           const int64_t *tables, const int64_t *lens, int64_t batch,
+                           int64_t width, int64_t heads, int64_t kv_heads, int64_t d,
+                           int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                           int threads) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || block_size <= 0) return 1;
+    if (!avx2_supports(d))
+        return decode_f32_untiled(q, k, v, out, tables, lens, batch, width, heads, kv_heads, d,
+                                  block_size, block_stride, scale, window, threads);
+    int64_t align = avx2_align(block_size);
+    int64_t group = heads / kv_heads, tok_stride = kv_heads * d;
+    int64_t per_thread = avx2_rows_scratch(group, width * block_size, d);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(|: failed)
+    {
+        float *scratch = thread_scratch(ROWS_SLOT, per_thread);
+        failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (scratch == NULL || lens[b] <= 0) continue;
+                int64_t off = (b * heads + h * group) * d;
+                int64_t ks = window_start(lens[b], window) / align * align;
+                avx2_tile(q + off, heads * d, heads * d, 1, group, NULL, NULL, 0, k + h * d,
+                          v + h * d, out + off, tables + b * width + ks / block_size, ks,
+                          lens[b] - ks, window, block_size, block_stride, tok_stride, d, scale,
+                          scratch);
+            }
+    }
+    return failed ? 2 : 0;
+}
+#endif
 #if !defined(HAVE_ATTENTION_TILE)
 DEFINE_ENTRY(baton_paged_decode_bf16, task_bf16, uint16_t)
 #else
@@ -443,7 +481,69 @@ static int prefill_refused(const int64_t *table, int64_t n, int64_t context_len,
     return 0;
 }
 
+#if !defined(HAVE_ATTENTION_AVX2)
 DEFINE_PREFILL(baton_paged_prefill_f32, task_f32, float)
+#else
+DEFINE_PREFILL(prefill_f32_untiled, task_f32, float)
+/* fp32 prefill on AVX2: each KV head's context keys transposed and values packed
+ * once, then tiles of consecutive prompt tokens per KV head, longest first. */
+int baton_paged_prefill_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                            float *out, const int64_t *table, int64_t n, int64_t context_len,
+                            int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
+                            int64_t block_stride, int64_t num_blocks, float scale,
+                            int64_t window, int threads) {
+    if (prefill_refused(table, n, context_len, heads, kv_heads, d, block_size, num_blocks))
+        return 1;
+    if (!avx2_supports(d))
+        return prefill_f32_untiled(q, q_stride, k, v, out, table, n, context_len, heads,
+                                   kv_heads, d, block_size, block_stride, num_blocks, scale,
+                                   window, threads);
+    int64_t align = avx2_align(block_size);
+    int64_t group = heads / kv_heads, tok_stride = kv_heads * d, prefix = context_len - n;
+    int64_t per = group >= AVX2_TILE_ROWS ? 1 : AVX2_TILE_ROWS / group;
+    int64_t tiles = (n + per - 1) / per;
+    int64_t pad = avx2_keys_padded(context_len), head_keys = d * pad;
+    /* the caller's thread keeps the keys' and values' buffers; the team's threads
+     * their own rows */
+    float *kt = thread_scratch(KEYS_SLOT, kv_heads * head_keys);
+    float *vp = thread_scratch(VALUES_SLOT, kv_heads * head_keys);
+    if (kt == NULL || vp == NULL) return 2;
+    /* values before every row's window are never read (and may be gone) */
+    int64_t skip = window_start(prefix + 1, window) / block_size * block_size;
+    int64_t per_thread = avx2_rows_scratch(per * group, context_len, d);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(|: failed)
+    {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t c = 0; c < pad; c += 256) {
+                avx2_transpose_keys(k + h * d, table, context_len, block_size, block_stride,
+                                    tok_stride, d, kt + h * head_keys + c * d, c,
+                                    c + 256 < pad ? c + 256 : pad);
+                int64_t lo = c > skip ? c : skip, hi = c + 256 < context_len ? c + 256 : context_len;
+                avx2_pack_values(v + h * d, table, block_size, block_stride, tok_stride, d,
+                                 vp + h * head_keys, pad, lo, hi);
+            }
+        float *scratch = thread_scratch(ROWS_SLOT, per_thread);
+        failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t i = tiles - 1; i >= 0; i--) /* longest first */
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (scratch == NULL) continue;
+                int64_t t0 = i * per, nt = n - t0 < per ? n - t0 : per;
+                int64_t off = (t0 * heads + h * group) * d;
+                /* keys from the first row's window on, at decode's aligned start */
+                int64_t ks = window_start(prefix + t0 + 1, window) / align * align;
+                avx2_tile(q + t0 * q_stride + h * group * d, q_stride, heads * d, nt, group,
+                          kt + h * head_keys + ks * d, vp + h * head_keys, pad, k + h * d,
+                          v + h * d, out + off, table + ks / block_size, ks,
+                          prefix + t0 + 1 - ks, window, block_size, block_stride, tok_stride,
+                          d, scale, scratch);
+            }
+    }
+    return failed ? 2 : 0;
+}
+#endif
 #if !defined(HAVE_ATTENTION_TILE)
 DEFINE_PREFILL(baton_paged_prefill_bf16, task_bf16, uint16_t)
 #else

@@ -15,15 +15,18 @@ from shared.kernels.build import build_library
 from shared.kernels.paged_decode import SOURCE, PagedDecodeKernel
 from shared.model.attention import DecodeBatch
 from shared.model.decode_attention import GatherDecode, NativeDecode, select_decode_attention
-from tests.shared.kernels.compiler import has_compiler, needs_cc
+from tests.shared.kernels.compiler import avx2_only_flags, has_compiler, needs_cc
 from tests.shared.kernels.pools import DEFAULT_SHAPE, Shape, layer_pools
 
 
-@pytest.fixture(scope="module")
-def kernel() -> PagedDecodeKernel:
+@pytest.fixture(scope="module", params=["default", "AVX2 only"])
+def kernel(request: pytest.FixtureRequest) -> PagedDecodeKernel:
     if not has_compiler():
         pytest.skip("no C compiler on this machine")
-    return PagedDecodeKernel.build(default_cache_dir() / "kernels")
+    kernel_dir = default_cache_dir() / "kernels"
+    if request.param == "AVX2 only":
+        return PagedDecodeKernel(build_library(SOURCE, kernel_dir, avx2_only_flags()))
+    return PagedDecodeKernel.build(kernel_dir)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from shared.kernels.paged_decode import PagedDecodeKernel
 from shared.kernels.paged_prefill import SOURCE, PagedPrefillKernel
 from shared.model.attention import DecodeBatch, PrefillSegment
 from shared.model.prefill_attention import NativePrefill, SdpaPrefill, select_prefill_attention
-from tests.shared.kernels.compiler import has_compiler, needs_cc
+from tests.shared.kernels.compiler import avx2_only_flags, has_compiler, needs_cc
 from tests.shared.kernels.pools import DEFAULT_SHAPE, Shape, layer_pools
 
 # On an AMX host the default build's bf16 tiles are AMX products; the AVX512-BF16 form
@@ -28,13 +28,15 @@ from tests.shared.kernels.pools import DEFAULT_SHAPE, Shape, layer_pools
 WITHOUT_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 
 
-@pytest.fixture(scope="module", params=["default", "without AMX"])
+@pytest.fixture(scope="module", params=["default", "without AMX", "AVX2 only"])
 def kernel(request: pytest.FixtureRequest) -> PagedPrefillKernel:
     if not has_compiler():
         pytest.skip("no C compiler on this machine")
     kernel_dir = default_cache_dir() / "kernels"
     if request.param == "default":
         return PagedPrefillKernel.build(kernel_dir)
+    if request.param == "AVX2 only":
+        return PagedPrefillKernel(build_library(SOURCE, kernel_dir, avx2_only_flags()))
     if "amx_tile" not in cpu_flags():
         pytest.skip("no AMX on this CPU: the default build is the form without it")
     return PagedPrefillKernel(build_library(SOURCE, kernel_dir, WITHOUT_AMX))
