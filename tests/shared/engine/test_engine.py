@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.config import EngineConfig, LinearBackend, PreemptionSetting
+from shared.config import (
+    CacheConfig,
+    EngineConfig,
+    LinearBackend,
+    PreemptionSetting,
+    SchedulerConfig,
+)
 from shared.engine.engine import Engine
 from shared.engine.outputs import Completion
 from shared.engine.request import FinishReason
@@ -202,23 +208,31 @@ def test_prefill_of_generated_tokens_continues_exactly(cache_dir: Path, dtype: s
     with exactly the tokens generation went on with, greedy and seeded, in each dtype
     (bf16 rounds the KV it stores, so any prefill/decode difference would show)."""
     loaded = load_model(None, cache_dir=cache_dir, dtype=dtype, progress=False)
-    config = EngineConfig(dtype=dtype)  # type: ignore[arg-type]
+    # every request of a run in one batch (a row does not depend on its batch: the
+    # ragged-batch test above), each prompt prefilled whole in one step, from no cache
+    config = EngineConfig(
+        dtype=dtype,  # type: ignore[arg-type]
+        cache=CacheConfig(enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+    )
     prompts = _prompts(loaded)[1:7]
-    for i, prompt in enumerate(prompts):
-        seed = None if i % 2 else 77 + i
-        params = SamplingParams(
-            max_tokens=48, temperature=0 if seed is None else 0.9, seed=seed, ignore_eos=True
+    seeds = [None if i % 2 else 77 + i for i in range(len(prompts))]
+
+    def params(seed: int | None, max_tokens: int) -> SamplingParams:
+        temperature = 0 if seed is None else 0.9
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
         )
-        full = Engine(loaded, config).generate([prompt], params)[0].token_ids
-        for cut in (3, 17, 40):
-            rest = Engine(loaded, config).generate(
-                [prompt + full[:cut]],
-                SamplingParams(
-                    max_tokens=48 - cut, temperature=params.temperature, seed=seed,
-                    ignore_eos=True,
-                ),
-            )[0].token_ids  # fmt: skip
-            assert rest == full[cut:], (i, cut)
+
+    full = Engine(loaded, config).generate(prompts, [params(s, 48) for s in seeds])
+    cases = [(i, cut) for i in range(len(prompts)) for cut in (3, 17, 40)]
+    rest = Engine(loaded, config).generate(
+        [prompts[i] + full[i].token_ids[:cut] for i, cut in cases],
+        [params(seeds[i], 48 - cut) for i, cut in cases],
+    )
+    for (i, cut), out in zip(cases, rest, strict=True):
+        assert out.num_cached_tokens == 0
+        assert out.token_ids == full[i].token_ids[cut:], (i, cut)
 
 
 def test_preemption_under_kv_pressure_keeps_outputs(
