@@ -12,6 +12,7 @@ import pytest
 from shared.config import (
     AttentionBackend,
     CacheConfig,
+    DType,
     EngineConfig,
     PreemptionSetting,
     SchedulerConfig,
@@ -39,7 +40,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 # the connector) run in it: emulated bf16 runs several times slower than fp32 and
 # tells nothing more about that logic (bf16's own numerics are tested on the default
 # model, in tests/shared/engine and tests/shared/kernels).
-HOST_DTYPE = auto_dtype("cpu").dtype
+HOST_DTYPE: DType = "bfloat16" if auto_dtype("cpu").dtype == "bfloat16" else "float32"
 HOST_DTYPE_BYTES = 2 if HOST_DTYPE == "bfloat16" else 4
 
 
