@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared.config import (
     AttentionBackend,
@@ -42,6 +43,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 # model, in tests/shared/engine and tests/shared/kernels).
 HOST_DTYPE: DType = "bfloat16" if auto_dtype("cpu").dtype == "bfloat16" else "float32"
 HOST_DTYPE_BYTES = 2 if HOST_DTYPE == "bfloat16" else 4
+
+
+@pytest.fixture(autouse=True)
+def torch_threads() -> Iterator[None]:
+    """Each test starts on the process's torch thread count and leaves it there: an
+    engine loop with elastic threads sets it per step and keeps its last setting when
+    stopped, and every later in-process engine ran on one thread of two."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
