@@ -126,12 +126,20 @@ def replay(url: str, turns: list[Turn]) -> list[Answer]:
     return asyncio.run(all_())
 
 
-def expect(make_engine: EngineFactory, turns: list[Turn]) -> list[list[int]]:
-    """The in-process engine with prefix caching off, one request at a time."""
+def expect(make_engine: EngineFactory, turns: list[Turn], batch: int = 8) -> list[list[int]]:
+    """The in-process engine with prefix caching off, ``batch`` requests at a time (a
+    row does not depend on its batch) in a pool that holds them."""
     engine = make_engine(
-        enable_prefix_caching=False, long_prefill_token_threshold=PREFILL_CHUNK_TOKENS
+        kv_cache_bytes=256 << 20,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=PREFILL_CHUNK_TOKENS,
     )
-    return [engine.generate([t.prompt], t.params(MAX_TOKENS))[0].token_ids for t in turns]
+    out: list[list[int]] = []
+    for i in range(0, len(turns), batch):
+        chunk = turns[i : i + batch]
+        done = engine.generate([t.prompt for t in chunk], [t.params(MAX_TOKENS) for t in chunk])
+        out += [c.token_ids for c in done]
+    return out
 
 
 @pytest.fixture(scope="module")
