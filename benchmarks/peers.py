@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -273,7 +274,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--baton-variant", action="append", default=[], metavar="LABEL=ARGS",
-        help="also run `baton up ARGS` (e.g. 'fixed threads=--max-threads 1')",
+        help="also run `baton up ARGS`, BATON_*=VALUE words its environment "
+        "(e.g. 'fixed threads=--max-threads 1', 'oneDNN=BATON_LINEAR=onednn')",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
     return p.parse_args(argv)
@@ -287,7 +289,11 @@ def baton_servers(
     out = [baton_server(python, model=model)] if plain else []
     for spec in variants:
         label, _, extra = spec.partition("=")
-        out.append(baton_server(python, label, shlex.split(extra), model=model))
+        words = shlex.split(extra)
+        env = dict(w.split("=", 1) for w in words if w.startswith("BATON_") and "=" in w)
+        args = [w for w in words if not (w.startswith("BATON_") and "=" in w)]
+        server = baton_server(python, label, args, model=model)
+        out.append(dataclasses.replace(server, env=env))
     return out
 
 

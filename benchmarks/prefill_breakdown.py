@@ -108,10 +108,15 @@ def main() -> None:
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--prompts", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--linear", default="auto", help="the GEMM backend (BATON_LINEAR's values)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     peak = core_peak(args.dtype)
-    loaded = load_model(args.model, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False)
+    loaded = load_model(
+        args.model, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False,
+        linear=args.linear,
+    )  # fmt: skip
+    backend = loaded.model.gemm.name
     clock = Clock()
     gemm = CountedLinear(loaded.model.gemm, clock)
     loaded.model.gemm = gemm
@@ -128,7 +133,8 @@ def main() -> None:
         for n in args.prompts:
             m = measure(ours, clock, gemm, attn, n, args.repeats)
             row: dict[str, Any] = {
-                "dtype": args.dtype, "threads": threads, "prompt": n,
+                "dtype": args.dtype, "gemm": backend, "threads": threads,
+                "prompt": n,
                 "total_ms": m["total"] * 1e3, "gemm_ms": m["gemm"] * 1e3,
                 "attention_ms": m["attention"] * 1e3,
                 "rest_of_forward_ms": (m["forward"] - m["gemm"] - m["attention"]) * 1e3,
@@ -148,7 +154,8 @@ def main() -> None:
                 )
             results.append(row)
             print(
-                f"{args.dtype} threads={threads} prompt={n:<5d} {row['total_ms']:7.1f} ms: "
+                f"{args.dtype} {backend} threads={threads} prompt={n:<5d} "
+                f"{row['total_ms']:7.1f} ms: "
                 f"GEMM {row['gemm_ms']:6.1f} ms ({row['gemm_gflops']:4.0f} GFLOP/s), "
                 f"attention {row['attention_ms']:6.1f} ms ({row['attention_gflops']:4.0f} "
                 f"GFLOP/s), rest of forward {row['rest_of_forward_ms']:5.1f}, outside forward "

@@ -40,7 +40,7 @@ import torch
 from benchmarks.bench_cluster import bench_cluster
 from benchmarks.results import save_json
 from benchmarks.serving_bench import MODEL, BenchClient
-from shared.config import CacheConfig, EngineConfig
+from shared.config import CacheConfig, EngineConfig, resolve_dtype
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 
@@ -90,7 +90,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--model", default=None, help="a model name Baton pulls, or a path")
     ap.add_argument("--transport", choices=["ucx", "tcp"], default="ucx")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="as baton up takes it (auto: the host's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument(
         "--max-threads", type=int, default=None, help="prefill's elastic ceiling (default: CPUs)"
@@ -109,7 +109,7 @@ def main() -> None:
     engine = Engine.from_config(
         EngineConfig(
             model=args.model,
-            dtype=args.dtype,
+            dtype=resolve_dtype(args.dtype, "cpu"),
             num_threads=cpus,
             cache=CacheConfig(kv_cache_bytes=1 << 29, enable_prefix_caching=False),
         ),

@@ -44,6 +44,13 @@ DEFAULT_SWAP_SPACE_GB = 1.0
 PreemptionSetting = Literal["auto", "swap", "recompute"]
 
 
+def resolve_dtype(setting: DTypeSetting, device: str) -> DType:
+    """The compute dtype: the setting, or for ``auto`` what the hardware runs natively."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if auto_dtype(device).dtype == "bfloat16" else "float32"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each."""
@@ -213,10 +220,7 @@ class BatonSettings(BaseSettings):
         return SloConfig(ttft_s=self.slo_ttft, tpot_s=self.slo_tpot)
 
     def resolved_dtype(self) -> DType:
-        """The compute dtype: the setting, or for ``auto`` what the hardware runs natively."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if auto_dtype(self.device).dtype == "bfloat16" else "float32"
+        return resolve_dtype(self.dtype, self.device)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
