@@ -29,6 +29,9 @@
  * batch (nor on the block it falls in: each row of a tile product is its own
  * chain), and a prompt computes 3-4x faster.
  *
+ * fp32 on a CPU with AVX2 and FMA but no AVX-512: the same panels, in 8-float
+ * vectors (its section below says how it tiles them).
+ *
  * Built on first use by shared/kernels/build.py, called through ctypes.
  */
 #include <stdint.h>
@@ -47,6 +50,16 @@
 #define SHARED_ROWS 64
 
 int baton_gemm_panel(void) { return PANEL; }
+/* Bits per vector of the fp32 path the compiler targeted (0: none). */
+int baton_gemm_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
+#else
+    return 0;
+#endif
+}
 
 /* w [n, k] row-major -> panels of PANEL columns, k in groups of PAIR; columns
  * past n are zero. */
@@ -504,12 +517,204 @@ int baton_gemm_glu_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint1
 }
 int baton_gemm_available_bf16(void) { return 1; }
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+/* fp32 on CPUs with AVX2 and FMA but no AVX-512 (16 ymm registers), on the same
+ * packed panels. Below SHARED_ROWS rows (decode) a register tile is one or two rows
+ * x the whole panel (12 sums for two rows, six 8-float vectors each), so a tile
+ * reads its panel in order while the next panel is prefetched. A prompt's tile is
+ * 4 rows x half a panel (12 sums; each weight vector is loaded once into a
+ * register for the 4 rows: 7 loads per 12 multiply-adds where the pair tile needs
+ * 8, the load ports' limit here). A work item is a block of up to M_BLOCK rows x
+ * one panel, run K_BLOCK k steps at a time: the panel's 24 KB of those k rows stay
+ * in L1 while every tile of the block passes over them (the sums wait in memory
+ * between k blocks, exactly). Every output is still one chain of fused
+ * multiply-adds over k in order from zero, whatever the tile: a row's result does
+ * not depend on its batch, tile or thread. */
+#include <immintrin.h>
+#define HAVE_GEMM_AVX2 1
+#define PAIR_ROWS 2 /* activation rows per register tile over a whole panel */
+#define QUAD_ROWS 4 /* activation rows per register tile over half a panel */
+#define K_BLOCK 128 /* k steps a tile runs before the block's next tile */
+#define M_BLOCK 128 /* rows a work item takes through one panel */
+
+typedef struct {
+    const char *cursor;
+    const char *end;
+} Prefetch;
+
+/* Prefetch lines per k step that spread the next panel (three lines a k step) over
+ * this one's tiles: none for one or two rows, which read the weight at the
+ * memory's pace already. */
+static int prefetch_per_k(int64_t m) {
+    int64_t tiles = (m + PAIR_ROWS - 1) / PAIR_ROWS;
+    if (m <= 2) return 0;
+    return (int)((3 + tiles - 1) / tiles);
+}
+
+/* c[r][0..PANEL) (+)= rows r < rows of x (rows ldx apart) times the panel rows at b
+ * over k < k_len; `first`: c starts from zero. */
+INLINE void pair_tile(const int rows, const int per_k, const float *x, int64_t ldx,
+                      int64_t k_len, const float *b, float *c, int first, Prefetch *pf) {
+    __m256 acc[PAIR_ROWS][6];
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 6
+        for (int v = 0; v < 6; v++)
+            acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * PANEL + 8 * v);
+    const char *cursor = pf->cursor;
+    for (int64_t k = 0; k < k_len; k++) {
+#pragma GCC unroll 2
+        for (int i = 0; i < per_k; i++)
+            if (cursor < pf->end) {
+                _mm_prefetch(cursor, _MM_HINT_T0);
+                cursor += 64;
+            }
+        __m256 x0 = _mm256_broadcast_ss(x + k);
+        __m256 x1 = rows > 1 ? _mm256_broadcast_ss(x + ldx + k) : x0;
+#pragma GCC unroll 6
+        for (int v = 0; v < 6; v++) {
+            __m256 bv = _mm256_loadu_ps(b + k * PANEL + 8 * v);
+            __asm__("" : "+x"(bv)); /* one load for both rows, not a memory operand each */
+            acc[0][v] = _mm256_fmadd_ps(x0, bv, acc[0][v]);
+            if (rows > 1) acc[1][v] = _mm256_fmadd_ps(x1, bv, acc[1][v]);
+        }
+    }
+    pf->cursor = cursor;
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 6
+        for (int v = 0; v < 6; v++) _mm256_storeu_ps(c + r * PANEL + 8 * v, acc[r][v]);
+}
+
+/* c[r][0..HALF) (+)= rows r < rows of x times a half panel at b over k < k_len (prompts:
+ * 7 loads per 12 multiply-adds, where a pair of rows over the whole panel needs 8). */
+INLINE void quad_tile(const int rows, const float *x, int64_t ldx, int64_t k_len,
+                      const float *b, float *c, int first) {
+    __m256 acc[QUAD_ROWS][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; v++)
+            acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * PANEL + 8 * v);
+    for (int64_t k = 0; k < k_len; k++) {
+        __m256 b0 = _mm256_loadu_ps(b + k * PANEL), b1 = _mm256_loadu_ps(b + k * PANEL + 8);
+        __m256 b2 = _mm256_loadu_ps(b + k * PANEL + 16);
+        __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2)); /* loaded once for every row */
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(xr, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xr, b1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xr, b2, acc[r][2]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; v++) _mm256_storeu_ps(c + r * PANEL + 8 * v, acc[r][v]);
+}
+
+static void any_quad_tile(int rows, const float *x, int64_t ldx, int64_t k_len, const float *b,
+                          float *c, int first) {
+    switch (rows) {
+    case 1: quad_tile(1, x, ldx, k_len, b, c, first); return;
+    case 2: quad_tile(2, x, ldx, k_len, b, c, first); return;
+    case 3: quad_tile(3, x, ldx, k_len, b, c, first); return;
+    case 4: quad_tile(4, x, ldx, k_len, b, c, first); return;
+    }
+}
+
+#define PAIR_CASE(P, R)                                                                     \
+    case P * 4 + R: pair_tile(R, P, x, ldx, k_len, b, c, first, pf); return;
+static void any_pair_tile(int rows, int per_k, const float *x, int64_t ldx, int64_t k_len,
+                          const float *b, float *c, int first, Prefetch *pf) {
+    switch (per_k * 4 + rows) {
+        PAIR_CASE(0, 1) PAIR_CASE(0, 2) PAIR_CASE(1, 1) PAIR_CASE(1, 2)
+        PAIR_CASE(2, 1) PAIR_CASE(2, 2) PAIR_CASE(3, 1) PAIR_CASE(3, 2)
+    }
+}
+#undef PAIR_CASE
+
+/* Panel p's columns of out (its PANEL columns, or with a GLU act its HALF) for rows
+ * [r0, r1), at most M_BLOCK of them, in 4-row tiles for a prompt. */
+static void avx2_panel(int64_t p, int64_t panels, int64_t r0, int64_t r1, int prompt,
+                       int per_k, const float *x, int64_t k_len, const float *packed, int64_t n,
+                       float *out, int64_t ldo, int act) {
+    const float *panel = packed + p * k_len * PANEL;
+    const char *next = (const char *)(panel + k_len * PANEL);
+    Prefetch pf = {next, p + 1 < panels ? next + k_len * PANEL * sizeof(float) : next};
+    const int64_t wide = act ? HALF : PANEL;
+    int64_t cols = n - p * wide < wide ? n - p * wide : wide;
+    float sums[M_BLOCK * PANEL];
+    for (int64_t k0 = 0; k0 < k_len; k0 += K_BLOCK) {
+        int64_t kn = k_len - k0 < K_BLOCK ? k_len - k0 : K_BLOCK;
+        if (prompt)
+            for (int h = 0; h < 2; h++)
+                for (int64_t r = r0; r < r1; r += QUAD_ROWS)
+                    any_quad_tile(r1 - r < QUAD_ROWS ? (int)(r1 - r) : QUAD_ROWS,
+                                  x + r * k_len + k0, k_len, kn, panel + k0 * PANEL + h * HALF,
+                                  sums + (r - r0) * PANEL + h * HALF, k0 == 0);
+        else
+            for (int64_t r = r0; r < r1; r += PAIR_ROWS) {
+                int rows = r1 - r < PAIR_ROWS ? (int)(r1 - r) : PAIR_ROWS;
+                any_pair_tile(rows, per_k, x + r * k_len + k0, k_len, kn, panel + k0 * PANEL,
+                              sums + (r - r0) * PANEL, k0 == 0, &pf);
+            }
+    }
+    for (int64_t i = 0; i < r1 - r0; i++) {
+        const float *c = sums + i * PANEL;
+        float *o = out + (r0 + i) * ldo + p * wide;
+        if (act == GLU_SILU)
+            for (int64_t j = 0; j < cols; j++) o[j] = silu(c[j]) * c[HALF + j];
+        else if (act == GLU_GELU_TANH)
+            for (int64_t j = 0; j < cols; j++) o[j] = gelu_tanh(c[j]) * c[HALF + j];
+        else
+            memcpy(o, c, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* From SHARED_ROWS rows, work items are (row block, panel), row blocks outer and
+ * handed out as threads come free: a block's rows stay in L2 while it meets every
+ * panel (panels outer, each kept in L2 while x streams from L3, measured no better).
+ * Below, a thread takes a fixed run of panels, so the panel it prefetches is the one
+ * it computes next. */
+static int avx2_gemm(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
+                     float *out, int64_t ldo, int act, int threads) {
+    if (m < 0 || k_len <= 0 || n <= 0 || ldo < n) return 1;
+    const int64_t wide = act ? HALF : PANEL, panels = (n + wide - 1) / wide;
+    const int64_t blocks = (m + M_BLOCK - 1) / M_BLOCK;
+    const int prompt = m >= SHARED_ROWS, per_k = prompt ? 0 : prefetch_per_k(m);
+    if (m >= SHARED_ROWS) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t item = 0; item < blocks * panels; item++) {
+            int64_t b = item / panels, r0 = b * M_BLOCK, r1 = r0 + M_BLOCK < m ? r0 + M_BLOCK : m;
+            avx2_panel(item % panels, panels, r0, r1, prompt, per_k, x, k_len, packed, n, out,
+                       ldo, act);
+        }
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < panels; p++)
+            avx2_panel(p, panels, 0, m, prompt, per_k, x, k_len, packed, n, out, ldo, act);
+    }
+    return 0;
+}
+
+int baton_gemm_available(void) { return 1; }
+int baton_gemm_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
+                   float *out, int64_t ldo, int threads) {
+    return avx2_gemm(x, m, k_len, packed, n, out, ldo, GLU_NONE, threads);
+}
+int baton_gemm_glu_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
+                       float *out, int64_t ldo, int act, int threads) {
+    if (act != GLU_SILU && act != GLU_GELU_TANH) return 1;
+    return avx2_gemm(x, m, k_len, packed, n, out, ldo, act, threads);
+}
 #else
 int baton_gemm_available(void) { return 0; }
 #endif
 
 /* Stubs where the compiler did not target the instructions a dtype needs. */
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !defined(HAVE_GEMM_AVX2)
 int baton_gemm_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
                    float *out, int64_t ldo, int threads) {
     (void)x, (void)m, (void)k_len, (void)packed, (void)n, (void)out, (void)ldo, (void)threads;

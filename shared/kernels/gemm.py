@@ -27,7 +27,7 @@ _I = ctypes.c_int64
 
 
 class GemmKernel:
-    """The compiled kernel: fp32 needs AVX-512, bf16 also AVX512-BF16.
+    """The compiled kernel: fp32 needs AVX-512, or AVX2 with FMA; bf16 AVX512-BF16.
     :attr:`dtypes` are those the compiler targeted on this machine."""
 
     def __init__(self, library: Path):
@@ -35,6 +35,10 @@ class GemmKernel:
         self.library = library
         lib.baton_gemm_panel.restype = ctypes.c_int
         self.panel = int(lib.baton_gemm_panel())
+        lib.baton_gemm_vector_bits.restype = ctypes.c_int
+        # 512: AVX-512; 256: the AVX2 form, faster than oneDNN at decode's few rows but
+        # not yet at a prompt's hundreds (docs/benchmarks.md)
+        self.vector_bits = int(lib.baton_gemm_vector_bits())
         self.dtypes: set[torch.dtype] = set()
         for dtype, probe in (
             (torch.float32, lib.baton_gemm_available),

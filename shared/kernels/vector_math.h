@@ -45,6 +45,24 @@ INLINE float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* The scalar gated activations (pointwise.c's GLU; gemm.c's fused AVX2 GLU): exp(x) for
+ * any x that silu meets, from the non-positive kernel: silu(x) =
+ * x / (1 + e^-x) for x >= 0 and x e^x / (1 + e^x) below. */
+INLINE float silu(float x) {
+    float e = exp_nonpositive(x >= 0.f ? -x : x);
+    return x >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+}
+
+/* GELU, tanh approximation (torch's approximate="tanh"): 0.5 x (1 + tanh(y)),
+ * y = sqrt(2 / pi) (x + 0.044715 x^3), computed as x * sigmoid(2y), which is
+ * the same function without the cancellation 1 + tanh(y) suffers for y << 0
+ * (so bf16 results can differ from torch's by one unit in the last place). */
+INLINE float gelu_tanh(float x) {
+    float y2 = 2.f * GELU_K * (x + 0.044715f * x * x * x);
+    float e = exp_nonpositive(y2 >= 0.f ? -y2 : y2);
+    return y2 >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <math.h>

@@ -127,7 +127,7 @@ class TorchLinear(Linear):
 
 
 class NativeLinear(Linear):
-    """The panel kernel: fp32 on AVX-512, bf16 on AVX512-BF16. :meth:`load`
+    """The panel kernel: fp32 on AVX-512 or AVX2 with FMA, bf16 on AVX512-BF16. :meth:`load`
     builds it or says why not. Its :meth:`glu` is one pass: each block of gate and
     up sums goes through the activation as it is written out (the same vector
     functions as :class:`~shared.model.pointwise.NativePointwise`'s, so the same
@@ -162,6 +162,12 @@ class NativeLinear(Linear):
     def cache_tag(self) -> str | None:
         return f"native-{self.kernel.library.stem}"
 
+    def preferred(self, dtype: torch.dtype) -> bool:
+        """Whether ``auto`` takes this kernel: everywhere but fp32 in its AVX2 form,
+        which decodes in 0.64-0.74x oneDNN's time but computes a prompt's GEMMs in
+        1.0-1.2x (an AMD EPYC Zen 3; ``BATON_LINEAR=native`` takes it)."""
+        return dtype != torch.float32 or self.kernel.vector_bits >= 512
+
     @classmethod
     def load(cls, dtype: torch.dtype, kernel_dir: Path) -> NativeLinear | str:
         """The backend, or why it cannot run in ``dtype`` on this machine."""
@@ -172,7 +178,7 @@ class NativeLinear(Linear):
         except KernelBuildError as e:
             return str(e)
         if dtype not in kernel.dtypes:
-            need = "AVX-512" if dtype == torch.float32 else "AVX-512 with BF16"
+            need = "AVX-512 or AVX2 with FMA" if dtype == torch.float32 else "AVX-512 with BF16"
             return f"the native GEMM kernel needs {need} for {dtype}, which this CPU lacks"
         return cls(kernel)
 
@@ -237,8 +243,9 @@ def select_linear(
 ) -> Linear:
     """``native``, ``onednn`` (CPU), ``triton`` (CUDA), each an error where it cannot
     run; ``torch``; or ``auto``: on CPU the native kernel where it builds for
-    ``dtype``, else oneDNN where it runs, else torch; on CUDA Triton where it runs,
-    else torch (whose rows then depend on their batch)."""
+    ``dtype`` (fp32 in its AVX2 form only where oneDNN does not run: see
+    :meth:`NativeLinear.preferred`), else oneDNN where it runs, else torch; on CUDA
+    Triton where it runs, else torch (whose rows then depend on their batch)."""
     torch_linear = TorchLinear(pad_small_gemm=dtype == torch.float32 and device == "cpu")
     if backend == "triton" or (backend == "auto" and device != "cpu"):
         problem = kernels_problem(device, dtype)
@@ -252,17 +259,21 @@ def select_linear(
         return torch_linear
     if device != "cpu":
         raise ConfigError(f"the {backend} linear backend runs on the CPU, not {device}")
+    native: NativeLinear | str = "not asked for"
     if backend in ("auto", "native"):
         native = NativeLinear.load(dtype, kernel_dir)
-        if isinstance(native, NativeLinear):
+        if isinstance(native, NativeLinear) and (backend == "native" or native.preferred(dtype)):
             return native
-        if backend == "native":
+        if isinstance(native, str) and backend == "native":
             raise ConfigError(f"the native linear backend is unavailable: {native}")
-        log.info("native GEMM unavailable, trying oneDNN: %s", native)
+        why = native if isinstance(native, str) else "its AVX2 form computes prompts slower"
+        log.info("auto skips the native GEMM, trying oneDNN: %s", why)
     problem = OneDNNLinear.probe(dtype)
     if problem is None:
         return OneDNNLinear()
     if backend == "onednn":
         raise ConfigError(f"the oneDNN linear backend is unavailable: {problem}")
+    if isinstance(native, NativeLinear):  # the AVX2 form beats torch at every row count
+        return native
     log.warning("oneDNN linear unavailable, using torch: %s", problem)
     return torch_linear

@@ -24,7 +24,7 @@ PROMPT = [1, 2, 3, 4, 5, 40, 41, 42, 200, 201, 202, 203, 100, 7, 8, 9, 10, 11]
 
 def needs_a_packed_file(dtype: str) -> None:
     """Skip where the GEMM the loader picks for ``dtype`` keeps no packed form to share
-    (oneDNN and torch pack in memory: on CPUs without AVX-512 no native kernel builds)."""
+    (oneDNN and torch pack in memory: where the native kernel does not build for the dtype)."""
     gemm = select_linear("auto", getattr(torch, dtype), "cpu", KERNELS)
     if gemm.cache_tag() is None:
         pytest.skip(f"the {gemm.name} linear backend writes no packed file")
