@@ -96,14 +96,14 @@ int baton_gemm_rows(const uint32_t *packed, int64_t steps, int64_t rows, const i
     return 0;
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
 /* The part of the next panel a tile prefetches: lines [cursor, end). */
 typedef struct {
     const char *cursor;
     const char *end;
 } Prefetch;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
 
 /* Prefetch lines per k step so that the next panel is requested while this one
  * is computed: one per step where there are three row tiles or more to spread
@@ -536,11 +536,6 @@ int baton_gemm_available_bf16(void) { return 1; }
 #define QUAD_ROWS 4 /* activation rows per register tile over half a panel */
 #define K_BLOCK 128 /* k steps a tile runs before the block's next tile */
 #define M_BLOCK 128 /* rows a work item takes through one panel */
-
-typedef struct {
-    const char *cursor;
-    const char *end;
-} Prefetch;
 
 /* Prefetch lines per k step that spread the next panel (three lines a k step) over
  * this one's tiles: none for one or two rows, which read the weight at the
