@@ -171,7 +171,7 @@ class Decoder(Worker):
             joined = False
             try:
                 async for event in tokens.events(
-                    outputs, steps=self._steps, stepping=self._stepping
+                    outputs, steps=self._steps, working=lambda: self._working(rid)
                 ):
                     if not joined and tokens.generated >= first_here:
                         joined = True
@@ -203,8 +203,14 @@ class Decoder(Worker):
     def _steps(self) -> int:
         return self.loop.stats.steps
 
-    def _stepping(self) -> bool:
-        """Inside a step that began recently (a long one still counts as progress)."""
+    def _working(self, rid: str) -> bool:
+        """Progress for ``rid`` that no step count shows: inside a step that began
+        recently (a long one), or ``rid``'s KV load in flight. With every request here
+        loading (the streams that ran just finished) the engine steps no more until a
+        load lands, which takes long for a long prompt or a store under load; that
+        stream is not hung. Its connector's timeouts bound the load."""
+        if rid in self.loop.snapshot.loading_ids:
+            return True
         since = self.loop.stats.step_since
         return since is not None and time.perf_counter() - since < STEP_HANG_S
 

@@ -3,7 +3,8 @@
 Tokens come from the current decode instance. When it dies (its stream breaks),
 hangs (it left membership: missed heartbeats; or no progress for ``silence_s``:
 neither a token nor a ``waiting`` event, which a decode instance sends every
-0.25 s while its engine makes progress without a token for this request),
+0.25 s while its engine makes progress without a token for this request, or
+while the request's KV loads),
 fails (an internal error event) or drains (it ends the stream with ``migrate``), the
 request resumes on another instance: it loads the KV stored up to the
 request's replication watermark, recomputes the few tokens past it, and goes
@@ -55,9 +56,9 @@ OpenDecode = Callable[[DecodeRequest, set[str]], Awaitable[tuple[Pick, WorkerStr
 class FailoverPolicy:
     progress_timeout_s: float = 60.0  # bound on handing over the first token, and on a resume
     # a stream that sends nothing this long (no token, no keepalive: a decode instance
-    # sends one every 0.25 s while its engine makes progress), nor for 3 of its
-    # instance's recent steps, is hung: stopped (SIGSTOP), or its engine thread stuck;
-    # it is resumed elsewhere
+    # sends one every 0.25 s while its engine makes progress or the request's KV
+    # loads), nor for 3 of its instance's recent steps, is hung: stopped (SIGSTOP), or
+    # its engine thread stuck; it is resumed elsewhere
     silence_s: float = 0.75
     failover_timeout_s: float = 60.0  # give up when no instance took the request for this long
     max_resumes: int = 16  # a request that keeps failing everywhere is not a failover

@@ -39,8 +39,8 @@ class GatewaySettings(BaseSettings):
     # treated as hung and its requests resumed elsewhere
     decode_progress_timeout_s: float = Field(default=60.0, gt=0)
     # ... and one silent this long (no token, no keepalive; every 0.25 s while the engine
-    # steps) as hung (at least 3 of the instance's recent steps, and twice the TPOT
-    # target where one is set: paced steps are that far apart)
+    # steps or the stream's KV loads) as hung (at least 3 of the instance's recent
+    # steps, and twice the TPOT target where one is set: paced steps are that far apart)
     decode_silence_s: float = Field(default=0.75, gt=0)
     # a request whose decode failed waits this long for an instance to take it over
     failover_timeout_s: float = Field(default=60.0, gt=0)

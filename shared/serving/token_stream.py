@@ -31,14 +31,15 @@ class TokenStream:
         self,
         outputs: asyncio.Queue[Output],
         steps: Callable[[], int] | None = None,
-        stepping: Callable[[], bool] | None = None,
+        working: Callable[[], bool] | None = None,
     ) -> AsyncIterator[TokenEvent | WaitingEvent]:
         """Raises :class:`~shared.engine.engine_loop.StreamInterrupted` when the loop
         interrupted the request. With ``steps`` (the engine's step count), a request
         that gets no token for :data:`WAITING_EVENT_S` while the engine makes progress
-        (its step count grew, or ``stepping``: it is inside a step begun less than
-        :data:`STEP_HANG_S` ago: a long prompt chunk) yields a ``waiting`` event; a
-        stuck engine yields none."""
+        (its step count grew, or ``working``: progress no step shows yet, such as a
+        step begun less than :data:`STEP_HANG_S` ago (a long prompt chunk) or this
+        request's KV load in flight, which its connector's timeouts bound) yields a
+        ``waiting`` event; a stuck engine yields none."""
         seen = steps() if steps is not None else 0
         while self.finish_reason is None:
             if steps is None:
@@ -48,7 +49,7 @@ class TokenStream:
                     out = await asyncio.wait_for(next_output(outputs), WAITING_EVENT_S)
                 except TimeoutError:
                     now = steps()
-                    if now > seen or (stepping is not None and stepping()):
+                    if now > seen or (working is not None and working()):
                         seen = now
                         yield WaitingEvent(steps=now)
                     continue

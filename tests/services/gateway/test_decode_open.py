@@ -11,12 +11,14 @@ import asyncio
 import os
 import random
 import re
+import signal
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from shared.bench.chaos import ChaosRequest, reference, stream
+from shared.bench.scrape import metric_sum
 from shared.launcher import LocalCluster
 from tests.conftest import EngineFactory
 from tests.services.conftest import MODEL, Cluster, serving_reference, start_cluster
@@ -87,3 +89,44 @@ def test_a_prefill_with_a_core_left_opens_decode_alongside(
 ) -> None:
     opened = opened_while_served(cluster.url, 2, make_engine)
     assert opened == {"alongside": 4, "after_first_token": 0}
+
+
+def test_a_decode_waiting_on_its_kv_load_is_not_taken_for_hung(
+    elastic: LocalCluster, make_engine: EngineFactory
+) -> None:
+    """A load in flight is progress. A lone long prompt's KV (hundreds of MB, sent
+    after its first token) took longer to reach decode than the gateway's silence
+    bound, and decode sent no keepalive while its engine, with only that load,
+    stepped no more: the gateway took the stream for hung and resumed it once the
+    instance's bench ended. Here the store is stopped (SIGSTOP) from before the
+    prompt until 2 s after its first token: decode's keepalives go on while its load
+    waits, the stream continues there, and its tokens are the engine's."""
+    (store,) = elastic.pids(["kvstore"])
+    warm_up, req = requests(3)[3], requests(3)[0]
+    url = elastic.gateway_url
+    run_one_at_a_time(url, [warm_up])  # a fresh prefill's first step may run on 1 thread
+    before, opened = metric_sum(url, "baton_failovers_total"), opens(url)
+
+    async def run() -> list[int]:
+        loop = asyncio.get_running_loop()
+        woken: list[asyncio.TimerHandle] = []
+
+        def on_tokens(n: int) -> None:
+            if not woken:
+                woken.append(loop.call_later(2.0, os.kill, store, signal.SIGCONT))
+
+        async with httpx.AsyncClient(timeout=120) as http:
+            res = await asyncio.wait_for(stream(http, url, MODEL, req, on_tokens), 120)
+        assert res.error is None, res.error
+        assert woken, "no token came"
+        return res.tokens
+
+    os.kill(store, signal.SIGSTOP)
+    try:
+        got = asyncio.run(run())
+    finally:
+        os.kill(store, signal.SIGCONT)
+    assert got == reference(serving_reference(make_engine, enable_prefix_caching=False), [req])[0]
+    # decode loaded the KV whole after the first token (the case that was taken for hung)
+    assert opens(url)["after_first_token"] == opened.get("after_first_token", 0) + 1
+    assert metric_sum(url, "baton_failovers_total") == before

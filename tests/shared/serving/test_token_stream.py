@@ -47,7 +47,7 @@ def test_a_long_step_in_progress_keeps_the_stream_alive(monkeypatch: pytest.Monk
 
     async def run() -> int:
         outputs: asyncio.Queue[Output] = asyncio.Queue()
-        events = TokenStream().events(outputs, steps=lambda: 5, stepping=lambda: busy[0])
+        events = TokenStream().events(outputs, steps=lambda: 5, working=lambda: busy[0])
         got = 0
         for _ in range(3):  # the step count never grows, the step goes on
             assert await asyncio.wait_for(anext(events), 1.0) == WaitingEvent(steps=5)
