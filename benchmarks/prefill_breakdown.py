@@ -8,7 +8,7 @@ GEMMs' FLOPs counted from the shapes they ran, the LM head on the rows it was
 asked for; attention's causal work) and their share of the peak measured on this
 core (``benchmarks/peak.py``) times the thread count. Medians over ``--repeats``.
 
-    python -m benchmarks.prefill_breakdown --dtype bfloat16 --threads 1 2 --prompts 512 2048
+    python -m benchmarks.prefill_breakdown --threads 1 2 --prompts 512 2048
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from benchmarks.engine_bench import Ours
 from benchmarks.peak import core_peak
 from benchmarks.results import save_json
 from benchmarks.step_breakdown import Clock, TimedLinear
-from shared.config import default_cache_dir
+from shared.config import default_cache_dir, resolve_dtype
 from shared.kernels.gemm import Glu
 from shared.model.attention import PrefillSegment
 from shared.model.attention_impl import AttentionImpl
@@ -104,13 +104,14 @@ def measure(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a model name or path (default: the default)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="as baton up takes it (auto: the host's)")
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--prompts", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--linear", default="auto", help="the GEMM backend (BATON_LINEAR's values)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    args.dtype = resolve_dtype(args.dtype, "cpu")
     peak = core_peak(args.dtype)
     loaded = load_model(
         args.model, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False,

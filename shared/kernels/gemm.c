@@ -526,8 +526,9 @@ int baton_gemm_available_bf16(void) { return 1; }
  * register for the 4 rows: 7 loads per 12 multiply-adds where the pair tile needs
  * 8, the load ports' limit here). A work item is a block of up to M_BLOCK rows x
  * one panel, run K_BLOCK k steps at a time: the panel's 24 KB of those k rows stay
- * in L1 while every tile of the block passes over them (the sums wait in memory
- * between k blocks, exactly). Every output is still one chain of fused
+ * in L1 while every tile of the block passes over them, a prompt tile's two halves
+ * one after the other, so its 4 rows of x come from L2 once, not once a half (the
+ * sums wait in memory between k blocks, exactly). Every output is still one chain of fused
  * multiply-adds over k in order from zero, whatever the tile: a row's result does
  * not depend on its batch, tile or thread. */
 #include <immintrin.h>
@@ -644,8 +645,8 @@ static void avx2_panel(int64_t p, int64_t panels, int64_t r0, int64_t r1, int pr
     for (int64_t k0 = 0; k0 < k_len; k0 += K_BLOCK) {
         int64_t kn = k_len - k0 < K_BLOCK ? k_len - k0 : K_BLOCK;
         if (prompt)
-            for (int h = 0; h < 2; h++)
-                for (int64_t r = r0; r < r1; r += QUAD_ROWS)
+            for (int64_t r = r0; r < r1; r += QUAD_ROWS)
+                for (int h = 0; h < 2; h++)
                     any_quad_tile(r1 - r < QUAD_ROWS ? (int)(r1 - r) : QUAD_ROWS,
                                   x + r * k_len + k0, k_len, kn, panel + k0 * PANEL + h * HALF,
                                   sums + (r - r0) * PANEL + h * HALF, k0 == 0);
