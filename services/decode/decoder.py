@@ -31,6 +31,7 @@ from shared.cluster.watermarks import Watermarks
 from shared.config import BatonSettings
 from shared.engine.engine_loop import StreamInterrupted
 from shared.engine.kv_cache_manager import cdiv
+from shared.engine.request import RequestId
 from shared.engine.step_pacer import PACE_MARGIN, OthersCpu, StepPacer
 from shared.errors import InvalidRequestError
 from shared.kvstore.connector import KVStoreConnector
@@ -171,7 +172,7 @@ class Decoder(Worker):
             joined = False
             try:
                 async for event in tokens.events(
-                    outputs, steps=self._steps, working=lambda: self._working(rid)
+                    outputs, steps=self._steps, working=lambda: self._working(req.request_id)
                 ):
                     if not joined and tokens.generated >= first_here:
                         joined = True
@@ -203,13 +204,13 @@ class Decoder(Worker):
     def _steps(self) -> int:
         return self.loop.stats.steps
 
-    def _working(self, rid: str) -> bool:
+    def _working(self, rid: RequestId) -> bool:
         """Progress for ``rid`` that no step count shows: inside a step that began
         recently (a long one), or ``rid``'s KV load in flight. With every request here
         loading (the streams that ran just finished) the engine steps no more until a
         load lands, which takes long for a long prompt or a store under load; that
-        stream is not hung. Its connector's timeouts bound the load."""
-        if rid in self.loop.snapshot.loading_ids:
+        stream is not hung. The connector's timeouts bound the load."""
+        if self.connector.loading(rid):
             return True
         since = self.loop.stats.step_since
         return since is not None and time.perf_counter() - since < STEP_HANG_S

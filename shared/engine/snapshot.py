@@ -19,7 +19,6 @@ class EngineSnapshot:
     waiting: int = 0  # queued for slots or for compute
     running: int = 0
     loading: int = 0  # asynchronous KV loads in flight
-    loading_ids: frozenset[RequestId] = frozenset()  # the ``loading`` ones
     parked: int = 0  # prefilled elsewhere, waiting for their first token
     pending_tokens: int = 0  # tokens of queued and running requests not yet computed
     free_slots: int = 0
@@ -42,7 +41,6 @@ class EngineSnapshot:
             waiting=len(s.queues.waiting),
             running=len(s.queues.running),
             loading=len(s.loads.loading),
-            loading_ids=frozenset(s.loads.loading),
             parked=len(s.queues.parked),
             pending_tokens=sum(pending.values()),
             free_slots=kv.num_free,

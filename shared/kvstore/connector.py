@@ -323,6 +323,15 @@ class KVStoreConnector(KVConnector):
             self._step_loads.append(load)
         self.tasks.soon(self.tasks.launch, load)
 
+    def loading(self, request_id: RequestId) -> bool:
+        """Whether a load into ``request_id``'s slots is still moving bytes. Read from
+        the event loop: a decode stream counts it as progress, which no engine step
+        shows; once the load ended it stops counting, whether or not the engine thread
+        took it up (a stuck one does not)."""
+        with self.tasks.cond:
+            load = self._loads.get(request_id)
+            return load is not None and not load.done
+
     def wait_for_layer(self, layer: int) -> None:
         loads = self._step_loads
         if not loads:

@@ -724,3 +724,28 @@ async def test_whole_blocks_held_for_the_first_token_never_block_the_next_chunk(
         await asyncio.wait_for(asyncio.shield(job.committed), 60)
         tokens = await d.decode(prompt, GREEDY, "d1", plan.put_ids, first.new_token_ids[0])
         assert tokens == expected
+
+
+async def test_a_decode_load_counts_as_in_flight_until_it_ends(make_engine: EngineFactory) -> None:
+    """What a decode stream sends keepalives on while its engine, with nothing else
+    to run, steps no more: the connector says the request's load is in flight while
+    the store holds it back, and not once it landed."""
+    store = fake_store(make_engine)
+    prompt = make_engine().tokenizer.encode(TEXT)
+    expected = reference(make_engine, prompt, SEEDED)
+    async with node(make_engine, store) as p:
+        first = await p.prefill(prompt, SEEDED, "p")
+    ids = p.last_plan.put_ids
+    store.hold_streams = lambda stream_ids: True
+    async with node(make_engine, store) as d:
+        assert not d.connector.loading(RequestId("d"))
+        decoding = asyncio.ensure_future(d.decode(prompt, SEEDED, "d", ids, first.new_token_ids[0]))
+        while not store.held:
+            await asyncio.sleep(0.01)
+        steps = d.loop.stats.steps
+        await asyncio.sleep(0.3)
+        assert d.connector.loading(RequestId("d")) and d.loop.stats.steps == steps
+        store.gate.set()
+        tokens = await decoding
+        assert not d.connector.loading(RequestId("d"))
+    assert tokens == expected
