@@ -487,18 +487,26 @@ async def test_a_load_that_breaks_mid_step_is_recomputed(make_engine: EngineFact
         assert np.array_equal(store.node.blocks[key.hex()].data, expected_bytes.reshape(-1))
 
 
-async def test_decode_recomputes_when_its_prompt_cannot_be_loaded(
+async def prefilled(
     make_engine: EngineFactory,
-) -> None:
+) -> tuple[FakeKVStoreClient, list[int], list[int], tuple[list[str], int]]:
+    """TEXT prefilled (seeded) into a fresh fake store: the store, the prompt, the
+    in-process engine's tokens, and what decode is handed (store ids, first token)."""
     store = fake_store(make_engine)
     prompt = make_engine().tokenizer.encode(TEXT)
     expected = reference(make_engine, prompt, SEEDED)
     async with node(make_engine, store) as p:
         first = await p.prefill(prompt, SEEDED, "p")
-    ids = p.last_plan.put_ids
+    return store, prompt, expected, (p.last_plan.put_ids, first.new_token_ids[0])
+
+
+async def test_decode_recomputes_when_its_prompt_cannot_be_loaded(
+    make_engine: EngineFactory,
+) -> None:
+    store, prompt, expected, (ids, first) = await prefilled(make_engine)
     store.break_streams_after = 3
     async with node(make_engine, store) as d:
-        tokens = await d.decode(prompt, SEEDED, "d", ids, first.new_token_ids[0])
+        tokens = await d.decode(prompt, SEEDED, "d", ids, first)
         stale = d.stale()
     assert tokens == expected and stale == 1
 
@@ -730,16 +738,11 @@ async def test_a_decode_load_counts_as_in_flight_until_it_ends(make_engine: Engi
     """What a decode stream sends keepalives on while its engine, with nothing else
     to run, steps no more: the connector says the request's load is in flight while
     the store holds it back, and not once it landed."""
-    store = fake_store(make_engine)
-    prompt = make_engine().tokenizer.encode(TEXT)
-    expected = reference(make_engine, prompt, SEEDED)
-    async with node(make_engine, store) as p:
-        first = await p.prefill(prompt, SEEDED, "p")
-    ids = p.last_plan.put_ids
+    store, prompt, expected, (ids, first) = await prefilled(make_engine)
     store.hold_streams = lambda stream_ids: True
     async with node(make_engine, store) as d:
         assert not d.connector.loading(RequestId("d"))
-        decoding = asyncio.ensure_future(d.decode(prompt, SEEDED, "d", ids, first.new_token_ids[0]))
+        decoding = asyncio.ensure_future(d.decode(prompt, SEEDED, "d", ids, first))
         while not store.held:
             await asyncio.sleep(0.01)
         steps = d.loop.stats.steps
