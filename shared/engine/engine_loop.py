@@ -305,6 +305,8 @@ class EngineLoop:
                 cmd()  # commands drain one per turn, ahead of the next step
                 self._publish()
                 stalled = False
+                if self.snapshot.prompt_pending:  # a prompt never waits out a paced gap
+                    self._not_before = 0.0
         except BaseException as exc:
             self.failure = exc
             log.exception("engine loop died")

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -144,16 +145,25 @@ async def test_a_paced_loop_spaces_its_steps_and_keeps_the_tokens(
     prompt = [1, 2, 3, 4, 5]
     reference = make_engine().generate([prompt], params)[0].token_ids
     pacer = StepPacer(0.25, contended=lambda: True, margin=0.8)  # 200 ms apart
-    loop = EngineLoop(make_engine(), pacer=pacer)
+    engine = make_engine()
+    # the property is when steps start; when their outputs reach this task also carries
+    # the event loop's jitter and each step's own length, so the starts are recorded here
+    starts: list[float] = []
+    step = engine.step
+
+    def recorded_step(**kwargs: Any) -> Any:
+        starts.append(time.perf_counter())
+        return step(**kwargs)
+
+    engine.step = recorded_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine, pacer=pacer)
     loop.start()
     try:
         q = loop.subscribe("r")
         await loop.call(lambda e: e.add_request(prompt, params, request_id="r"))
         tokens: list[int] = []
-        arrivals: list[float] = []
         while True:
             out = await asyncio.wait_for(next_output(q), 60)
-            arrivals.append(time.perf_counter())
             tokens += out.new_token_ids
             if out.finished:
                 break
@@ -161,8 +171,8 @@ async def test_a_paced_loop_spaces_its_steps_and_keeps_the_tokens(
             assert await loop.call(lambda e: e.has_unfinished())  # answered while it waits
             assert time.perf_counter() - t0 < 0.15
         assert tokens == reference
-        gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-        assert gaps and min(gaps) > 0.15, gaps
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        assert len(gaps) == len(reference) - 1 and min(gaps) >= pacer.interval_s - 0.005, gaps
         assert pacer.paced_steps >= len(gaps)
     finally:
         await loop.stop()
@@ -187,8 +197,12 @@ async def test_a_paced_loop_computes_a_prompt_queued_beside_its_streams_unpaced(
         await asyncio.wait_for(next_output(qa), 60)  # the stream runs (and is paced)
         await asyncio.wait_for(next_output(qa), 60)
         assert pacer.paced_steps > 0
-        before = pacer.paced_steps
-        await loop.call(lambda e: e.add_request(long_prompt, short, request_id="b"))
+
+        def add_long(e: Engine) -> int:  # the count read between two steps, on their thread
+            e.add_request(long_prompt, short, request_id="b")
+            return pacer.paced_steps
+
+        before = await loop.call(add_long)
         first = await asyncio.wait_for(next_output(qb), 60)
         # 240 tokens in chunks of at most 32 (less the stream's token): >= 8 steps, of
         # which none waited (the step that gave the prompt its first token may be paced
@@ -199,6 +213,27 @@ async def test_a_paced_loop_computes_a_prompt_queued_beside_its_streams_unpaced(
             first = await asyncio.wait_for(next_output(qb), 60)
             tokens += first.new_token_ids
         assert tokens == reference.token_ids
+    finally:
+        await loop.stop()
+
+
+async def test_a_prompt_added_during_a_paced_gap_starts_at_once(
+    make_engine: EngineFactory,
+) -> None:
+    """A stream's paced gap (4 s here) holds back that stream's next step, not a prompt
+    that arrives meanwhile: the prompt's first token comes long before the gap ends."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    pacer = StepPacer(5.0, contended=lambda: True, margin=0.8)
+    loop = EngineLoop(make_engine(), pacer=pacer)
+    loop.start()
+    try:
+        qa, qb = loop.subscribe("a"), loop.subscribe("b")
+        await loop.call(lambda e: e.add_request([1, 2, 3, 4, 5], params, request_id="a"))
+        await asyncio.wait_for(next_output(qa), 60)  # the gap starts as this step ends
+        added = time.perf_counter()
+        await loop.call(lambda e: e.add_request(list(range(10, 60)), params, request_id="b"))
+        await asyncio.wait_for(next_output(qb), 60)
+        assert time.perf_counter() - added < pacer.interval_s / 2
     finally:
         await loop.stop()
 
