@@ -289,11 +289,12 @@ class LocalCluster:
             self.redis.start()
             self.specs = plan(self.topo_for(self.redis.url))
             check_ports(self.specs)
-            stages = [["kvstore"], ["prefill", "decode", "colocated"], ["gateway"], ["balancer"]]
-            for roles in stages:
-                started = [self._start(s) for s in self.specs if s.role in roles]
-                for proc in started:
-                    proc.wait_ready(timeout_s)
+            # all at once: each finds the others through Redis as they come (a gateway is
+            # ready once every role has a live instance), so their imports and model loads
+            # overlap instead of queueing behind the store's
+            started = [self._start(s) for s in self.specs]
+            for proc in started:
+                proc.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
