@@ -82,13 +82,13 @@ def test_prompts_past_the_window_and_their_next_turns(gemma: LoadedModel) -> Non
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempted_under_pressure(gemma: LoadedModel, mode: PreemptionSetting) -> None:
-    """Six 900-token prompts sampling 100 tokens each in a pool that cannot hold them
+    """Six 900-token prompts sampling 50 tokens each in a pool that cannot hold them
     all: requests are preempted, swapped out and back (or recomputed), and other
     requests reuse the slots meanwhile. A window part released a block too early is
     overwritten here, and the tokens differ."""
     ids = story(gemma)
     prompts = [ids[i * 50 : i * 50 + 900] for i in range(6)]
-    params = SamplingParams(max_tokens=100, temperature=0.8, seed=7)
+    params = SamplingParams(max_tokens=50, temperature=0.8, seed=7)
     results = {}
     for windowed in (False, True):
         eng = engine(gemma, windowed, 150 * BLOCK_BYTES, mode, (1 << 30) if mode == "swap" else 0)
