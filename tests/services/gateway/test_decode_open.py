@@ -102,9 +102,18 @@ def test_a_decode_waiting_on_its_kv_load_is_not_taken_for_hung(
     prompt until 2 s after its first token: decode's keepalives go on while its load
     waits, the stream continues there, and its tokens are the engine's."""
     (store,) = elastic.pids(["kvstore"])
-    warm_up, req = requests(3)[3], requests(3)[0]
-    url = elastic.gateway_url
-    run_one_at_a_time(url, [warm_up])  # a fresh prefill's first step may run on 1 thread
+    req, url = requests(3)[0], elastic.gateway_url
+    prefill = next(s for s in elastic.specs if s.role == "prefill")
+    prefill_url = f"http://127.0.0.1:{prefill.http_port}"
+    # the case needs a prompt on every core, which the last step's threads foretell; a
+    # fresh prefill's first step, or one beside this process's reference work, may run
+    # on one thread (the governor held a core): warm up until a step took every core
+    for seed in range(10, 20):
+        run_one_at_a_time(url, [requests(seed)[3]])
+        if metric_sum(prefill_url, "baton_engine_threads") == CPUS:
+            break
+    else:
+        pytest.fail("the prefill's steps never took every core: the machine is busy")
     before, opened = metric_sum(url, "baton_failovers_total"), opens(url)
 
     async def run() -> list[int]:
