@@ -21,6 +21,7 @@ from shared.model.attention import (
     PrefillSegment,
     SlotRun,
     group_by_width,
+    sampled_rows,
     split_whole_blocks,
 )
 from shared.model.attention_impl import AttentionImpl
@@ -105,6 +106,10 @@ def build_input(
             sampled.append(s)
     ctx = [s.request.num_computed_tokens + 1 for s in decodes]
     meta = _metadata(decodes, rows, ctx, len(ids), block_size, device, split_decodes)
+    if sampled and len(logits_rows) < len(ids):
+        sampled_ctx = [s.request.num_computed_tokens + s.num_new_tokens for s in sampled]
+        rows_alone = decode_groups(sampled, sampled_ctx, block_size, device, split_decodes)
+        meta = replace(meta, sampled=sampled_rows(rows_alone))
     if part_table is not None and part_table.shape[1]:
         groups = tuple(_translated(meta, part_table[:, g]) for g in range(part_table.shape[1]))
         meta = replace(meta, window_groups=groups)
@@ -144,6 +149,7 @@ def _translated(meta: AttentionMetadata, part_of: torch.Tensor) -> AttentionMeta
             replace(g, batch=replace(g.batch, tables=part_of[g.batch.tables])) for g in meta.decode
         ),
         prefills=tuple(replace(p, block_table=part_of[p.block_table]) for p in meta.prefills),
+        sampled=None if meta.sampled is None else _translated(meta.sampled, part_of),
     )
 
 

@@ -123,10 +123,32 @@ class AttentionMetadata:
     # the same rows addressed in the slots of each further layer group (sliding-window
     # layers' window parts, see shared.kv.layer_groups); () for a pool of one group
     window_groups: tuple[AttentionMetadata, ...] = ()
+    # the sampled rows alone (the step's ``logits_rows``, in their order), each as a
+    # decode row over the KV the step has written (see :func:`sampled_rows`): the last
+    # layer, once its K/V are in the pool, computes only these rows. None where every
+    # row is sampled (a decode-only step)
+    sampled: AttentionMetadata | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata addressing layer group ``group``'s slots."""
         return self if group == 0 else self.window_groups[group - 1]
+
+
+def sampled_rows(groups: Sequence[DecodeGroup]) -> AttentionMetadata:
+    """Metadata for rows that each attend as one decode row over KV already in the pool
+    and write none: the sampled rows of a step's last layer. Nothing reads a row's last
+    hidden state but its logits, so the other rows' attention, O projection and MLP
+    there are skipped; a decode row equals the same token's prefill row bitwise (the
+    attention kernels' contract), so the logits do not change."""
+    empty = torch.empty(0, dtype=torch.long, device=groups[0].batch.lens.device)
+    return AttentionMetadata(
+        slot_blocks=empty,
+        slot_offsets=empty,
+        slot_runs=(),
+        num_decodes=groups[-1].end,
+        decode=tuple(groups),
+        prefills=(),
+    )
 
 
 def split_whole_blocks(

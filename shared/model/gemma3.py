@@ -148,6 +148,7 @@ class Gemma3Model(DecoderModel):
         n = input_ids.shape[0]
         ops, eps = self.ops, a.rms_norm_eps
         h = self.embed_tokens(input_ids)
+        sampled_only = False  # the last layer past its K/V writes: the sampled rows only
         for idx, lw in enumerate(self.layers):
             window, rope, norms = self.windows[idx], self.ropes[idx], self.norms[idx]
             x = ops.rms_norm(h, lw.input_norm, eps)
@@ -159,11 +160,14 @@ class Gemma3Model(DecoderModel):
             write_kv(k_pool, v_pool, k, v, slots, attention.decode)
             if on_layer is not None:
                 on_layer(idx)
+            if idx + 1 == len(self.layers) and slots.sampled is not None:
+                slots, n, sampled_only = slots.sampled, logits_rows.shape[0], True
+                q, k, v, h = q[logits_rows], k[logits_rows], v[logits_rows], h[logits_rows]
             attn = paged_attention(q, k, v, k_pool, v_pool, slots, self.scale, attention, window)
             o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)
             h = h + ops.rms_norm(o, norms.attn_out, eps)
             x = ops.rms_norm(h, lw.post_norm, eps)
             mlp = self.gemm(self.gemm.glu(x, lw.gate_up, "gelu_tanh", ops), lw.down)
             h = h + ops.rms_norm(mlp, norms.mlp_out, eps)
-        last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
+        last = ops.rms_norm(h if sampled_only else h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

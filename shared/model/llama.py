@@ -90,6 +90,8 @@ class LlamaModel(DecoderModel):
         h = self.embed_tokens(input_ids)  # the residual stream: ours, added to in place
         layers = self.layers
         x = ops.rms_norm(h, layers[0].input_norm, eps)
+        rows = meta  # the rows computed past the K/V writes: every row until the last layer
+        sampled_only = False
         for idx, lw in enumerate(layers):
             qkv = self.gemm(x, lw.qkv)
             q, k = ops.rotary(qkv, positions, self.rope, a.num_heads, a.num_kv_heads)
@@ -98,7 +100,10 @@ class LlamaModel(DecoderModel):
             write_kv(k_pool, v_pool, k, v, meta, attention.decode)
             if on_layer is not None:
                 on_layer(idx)
-            attn = paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, attention)
+            if idx + 1 == len(layers) and meta.sampled is not None:  # no one reads the rest
+                rows, n, sampled_only = meta.sampled, logits_rows.shape[0], True
+                q, k, v, h = q[logits_rows], k[logits_rows], v[logits_rows], h[logits_rows]
+            attn = paged_attention(q, k, v, k_pool, v_pool, rows, self.scale, attention)
             x = ops.add_rms_norm_(
                 h, self.gemm(attn.reshape(n, q_dim), lw.o_proj), lw.post_norm, eps
             )
@@ -107,5 +112,5 @@ class LlamaModel(DecoderModel):
                 x = ops.add_rms_norm_(h, mlp, layers[idx + 1].input_norm, eps)
             else:
                 h.add_(mlp)
-        last = ops.rms_norm(h[logits_rows], self.final_norm, eps)
+        last = ops.rms_norm(h if sampled_only else h[logits_rows], self.final_norm, eps)
         return self.gemm(last, self.lm_head).float()

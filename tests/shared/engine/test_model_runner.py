@@ -63,6 +63,23 @@ def test_build_input_orders_decodes_first_and_samples_finished_prompts() -> None
     assert torch.equal(m.prefills[1].block_table, torch.tensor([5, 6]))
     assert inp.logits_rows.tolist() == [0, 6]  # decode row and the finished prompt's last row
     assert [s.request for s in inp.sampled] == [decode, prefill_done]
+    # the last layer's sampled rows alone, each a decode row over its whole context
+    assert m.sampled is not None
+    (rows,) = m.sampled.decode
+    assert (rows.start, rows.end, m.sampled.num_decodes, m.sampled.prefills) == (0, 2, 2, ())
+    assert rows.batch.tables.tolist() == [[1, 2], [3, 4]]
+    assert rows.batch.lens.tolist() == [5, 6]
+    assert m.sampled.slot_runs == () and m.sampled.block_runs == ()
+
+
+def test_a_step_whose_every_row_is_sampled_has_no_sampled_rows_metadata() -> None:
+    decode = make_req("d", prompt=4, computed=4, blocks=[1, 2], outputs=1)
+    one_token_prompt = make_req("p", prompt=1, computed=0, blocks=[3])
+    step = SchedulerOutput(
+        scheduled=(ScheduledRequest(decode, 1), ScheduledRequest(one_token_prompt, 1)),
+        preempted=(),
+    )
+    assert build_input(step, block_size=4, device="cpu").meta.sampled is None
 
 
 def test_decode_rows_group_by_context_width() -> None:

@@ -51,6 +51,24 @@ def test_a_prompt_prefilled_in_one_pass_equals_it_prefilled_in_chunks(
     assert torch.equal(torch.cat(pieces), whole)
 
 
+@pytest.mark.parametrize("length", [1, 16, 17, PROMPT_TOKENS])
+def test_a_last_layer_of_the_sampled_row_only_gives_its_logits_bitwise(
+    loaded: LoadedModel, one_pass: torch.Tensor, length: int
+) -> None:
+    """A step that samples a prompt computes its last layer past the K/V writes for the
+    sampled row alone (as a decode row): that row's logits are bitwise those of the
+    prefill computing every row, at the first token, a block's last and first slots and
+    a long prompt; so is a later chunk's, on top of the KV earlier ones wrote."""
+    ids = prompt(loaded)[:length]
+    whole = one_pass if length == PROMPT_TOKENS else prefill_logits(loaded, ids)
+    assert torch.equal(prefill_logits(loaded, ids, last_only=True)[0], whole[-1])
+    if length > 1:
+        cache = new_cache(loaded)
+        prefill_logits(loaded, ids[: length // 2], cache=cache)
+        tail = prefill_logits(loaded, ids, start=length // 2, cache=cache, last_only=True)
+        assert torch.equal(tail[0], whole[-1])
+
+
 def test_a_row_alone_equals_the_same_row_among_512(loaded: LoadedModel) -> None:
     """Every weight shape of the model (fused QKV, O, fused gate/up with its activation,
     down, the head), through the GEMM the engine picked: a row computed at M = 1, and

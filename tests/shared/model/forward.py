@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from shared.config import EngineConfig
 from shared.engine.model_runner import prefill_runs
 from shared.kv.kv_cache import KVCache
 from shared.kv.layout import KVLayout
-from shared.model.attention import AttentionMetadata, PrefillSegment
+from shared.model.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    DecodeGroup,
+    PrefillSegment,
+    sampled_rows,
+)
 from shared.model.attention_impl import AttentionImpl, select_attention
 from shared.model.loader import LoadedModel
 
@@ -29,8 +37,11 @@ def prefill_logits(
     cache: KVCache | None = None,
     blocks: list[int] | None = None,
     attention: AttentionImpl | None = None,
+    last_only: bool = False,
 ) -> torch.Tensor:
-    """Logits of every row of ``ids[start:]``, computed on top of KV already at ``[0, start)``."""
+    """Logits of every row of ``ids[start:]``, computed on top of KV already at ``[0, start)``;
+    ``last_only``: of the last row alone, the last layer computing that row only (as an
+    engine's step samples a prompt)."""
     cache = cache or new_cache(loaded)
     blocks = blocks or list(range(-(-len(ids) // BLOCK)))
     pos = torch.arange(start, len(ids))
@@ -43,11 +54,15 @@ def prefill_logits(
         decode=(),
         prefills=(PrefillSegment(0, n, torch.tensor(blocks[: -(-len(ids) // BLOCK)]), len(ids)),),
     )
+    rows = torch.arange(n)
+    if last_only:
+        table = meta.prefills[0].block_table.tolist()
+        batch = DecodeBatch.build([table], [len(ids)], BLOCK, "cpu")
+        meta = replace(meta, sampled=sampled_rows([DecodeGroup(0, 1, batch)]))
+        rows = rows[-1:]
     if attention is None:  # what an engine on this machine picks
         model = loaded.model
         attention = select_attention(
             "auto", model.dtype, loaded.arch.head_dim, model.device, EngineConfig().kernel_dir
         )  # fmt: skip
-    return loaded.model.forward(
-        torch.tensor(ids[start:]), pos, meta, cache, torch.arange(n), attention
-    )
+    return loaded.model.forward(torch.tensor(ids[start:]), pos, meta, cache, rows, attention)
