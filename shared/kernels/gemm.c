@@ -117,9 +117,10 @@ static int prefetch_per_k(int64_t m) {
 
 /* One dtype's kernel. T: storage type; PAIR: k values per step; BCAST(x): the
  * step's x value(s) of one row as a vector; MAC(acc, xv, b): acc += xv * b;
- * STORE(out, acc, cols): a row of cols results. rows and per_k are constants at
- * every tile call, so its loops unroll and the sums stay in registers. */
-#define DEFINE_GEMM(NAME, T, PAIR, BCAST, MAC, STORE)                                        \
+ * STORE(out, acc, cols): a row of cols results; GLU_TILE(acc, rows, out, ldo, cols,
+ * act): a GLU tile's rows of act(gate) * up. rows and per_k are constants at every
+ * tile call, so its loops unroll and the sums stay in registers. */
+#define DEFINE_GEMM(NAME, T, PAIR, BCAST, MAC, STORE, GLU_TILE)                              \
     INLINE void NAME##_tile(const int rows, const int per_k, const T *x, int64_t k_len,     \
                             const T *panel, T *out, int64_t ldo, int64_t cols, int act,     \
                             Prefetch *pf) {                                                 \
@@ -143,7 +144,10 @@ static int prefetch_per_k(int64_t m) {
             }                                                                               \
         }                                                                                   \
         pf->cursor = cursor;                                                                \
-        for (int r = 0; r < rows; r++) STORE(out + r * ldo, acc[r], cols, act);             \
+        if (act)                                                                            \
+            GLU_TILE(acc, rows, out, ldo, cols, act);                                       \
+        else                                                                                \
+            for (int r = 0; r < rows; r++) STORE(out + r * ldo, acc[r], cols);              \
     }                                                                                       \
                                                                                             \
     static void NAME##_any_tile(int rows, int per_k, const T *x, int64_t k_len,             \
@@ -215,15 +219,35 @@ INLINE __m512 mac_f32(__m512 acc, __m512 x, __m512 b) { return _mm512_fmadd_ps(x
             STORE_MASK(out + j, m, _mm512_mul_ps(ROUND(vglu_act(act, g)), u));              \
         }                                                                                   \
     }
-DEFINE_GLU_ROW(glu_row_f32, float, vround_f32, vround_f32, vstore_f32_mask)
-
-INLINE void store_f32_row(float *out, const __m512 acc[3], int64_t cols, int act) {
-    if (act) {
-        float row[PANEL];
-        for (int v = 0; v < 3; v++) _mm512_storeu_ps(row + 16 * v, acc[v]);
-        glu_row_f32(row, out, cols, act);
-        return;
+/* A tile's GLU write-out, glu_row's arithmetic on its rows at once: the rows' gate
+ * sums are gathered side by side (HALF a row), their up sums likewise, so the
+ * activation runs on whole vectors (8 rows: 12 vectors, where a row at a time takes
+ * 16, every second one half empty). Each element goes through the same instructions
+ * whichever lane it lands in, so the bits are glu_row's. */
+#define DEFINE_GLU_TILE(NAME, T, IN, ROUND, STORE_MASK)                                     \
+    INLINE void NAME(__m512 acc[][3], int rows, T *out, int64_t ldo, int64_t cols, int act) { \
+        float gate[ROW_TILE * HALF], up_lanes[8 + ROW_TILE * HALF];                         \
+        float *up = up_lanes + 8; /* acc[r][1]'s upper 8 lanes start row r's up sums */     \
+        T res[ROW_TILE * HALF];                                                             \
+        for (int r = 0; r < rows; r++) {                                                    \
+            _mm512_storeu_ps(gate + r * HALF, acc[r][0]);                                   \
+            _mm512_mask_storeu_ps(gate + r * HALF + 16, 0x00ff, acc[r][1]);                 \
+            _mm512_mask_storeu_ps(up + r * HALF - 8, 0xff00, acc[r][1]);                    \
+            _mm512_storeu_ps(up + r * HALF + 8, acc[r][2]);                                 \
+        }                                                                                   \
+        const int64_t total = (int64_t)rows * HALF;                                         \
+        for (int64_t j = 0; j < total; j += 16) {                                           \
+            __mmask16 m = first_lanes(total - j);                                           \
+            __m512 g = IN(_mm512_maskz_loadu_ps(m, gate + j));                              \
+            __m512 u = IN(_mm512_maskz_loadu_ps(m, up + j));                                \
+            STORE_MASK(res + j, m, _mm512_mul_ps(ROUND(vglu_act(act, g)), u));              \
+        }                                                                                   \
+        for (int r = 0; r < rows; r++)                                                      \
+            memcpy(out + r * ldo, res + r * HALF, sizeof(T) * (size_t)cols);                \
     }
+DEFINE_GLU_TILE(glu_tile_f32, float, vround_f32, vround_f32, vstore_f32_mask)
+
+INLINE void store_f32_row(float *out, const __m512 acc[3], int64_t cols) {
     if (cols == PANEL) {
         _mm512_storeu_ps(out, acc[0]);
         _mm512_storeu_ps(out + 16, acc[1]);
@@ -235,7 +259,7 @@ INLINE void store_f32_row(float *out, const __m512 acc[3], int64_t cols, int act
     memcpy(out, row, sizeof(float) * (size_t)cols);
 }
 
-DEFINE_GEMM(native_gemm_f32, float, 1, bcast_f32, mac_f32, store_f32_row)
+DEFINE_GEMM(native_gemm_f32, float, 1, bcast_f32, mac_f32, store_f32_row, glu_tile_f32)
 int baton_gemm_available(void) { return 1; }
 int baton_gemm_f32(const float *x, int64_t m, int64_t k_len, const float *packed, int64_t n,
                    float *out, int64_t ldo, int threads) {
@@ -260,16 +284,13 @@ INLINE __m512 mac_bf16(__m512 acc, __m512 x, __m512 b) {
 }
 /* rounded as store_bf16_row rounds (denormals kept), widened back */
 INLINE __m512 round_bf16_scalar(__m512 x) { return vwiden_bf16(vf32_to_bf16_scalar(x)); }
-DEFINE_GLU_ROW(glu_row_bf16, uint16_t, round_bf16_scalar, vround_bf16, vstore_bf16_mask)
+DEFINE_GLU_TILE(glu_tile_bf16, uint16_t, round_bf16_scalar, vround_bf16, vstore_bf16_mask)
 
-INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols, int act) {
-    float row[PANEL];
-    for (int v = 0; v < 3; v++) _mm512_storeu_ps(row + 16 * v, acc[v]);
-    if (act) {
-        glu_row_bf16(row, out, cols, act);
-        return;
+INLINE void store_bf16_row(uint16_t *out, const __m512 acc[3], int64_t cols) {
+    for (int v = 0; v < 3; v++) { /* f32_to_bf16's bits, a vector at a time */
+        __mmask16 m = first_lanes(cols - 16 * v);
+        if (cols > 16 * v) _mm256_mask_storeu_epi16(out + 16 * v, m, vf32_to_bf16_scalar(acc[v]));
     }
-    for (int64_t j = 0; j < cols; j++) out[j] = f32_to_bf16(row[j]);
 }
 
 #include "amx.h"
@@ -286,7 +307,8 @@ typedef struct {
     int act;                       /* GLU_NONE, or the GLU the sums are gate and up of */
 } Pending;
 
-/* glu_row_bf16 for sums rounded as the write-out below rounds them */
+/* glu_tile_bf16's arithmetic a row at a time, on sums rounded as the write-out below
+ * rounds them */
 DEFINE_GLU_ROW(glu_row_amx, uint16_t, vround_bf16, vround_bf16, vstore_bf16_mask)
 
 INLINE void pending_rows(Pending *w, int64_t count) {
@@ -494,7 +516,7 @@ static int amx_gemm(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t 
 }
 #endif
 
-DEFINE_GEMM(native_gemm_bf16, uint16_t, 2, bcast_bf16, mac_bf16, store_bf16_row)
+DEFINE_GEMM(native_gemm_bf16, uint16_t, 2, bcast_bf16, mac_bf16, store_bf16_row, glu_tile_bf16)
 
 /* Which arithmetic bf16 uses is a property of the machine and K, never of m. */
 static int gemm_bf16(const uint16_t *x, int64_t m, int64_t k_len, const uint16_t *packed,
