@@ -106,10 +106,10 @@ def build_input(
             sampled.append(s)
     ctx = [s.request.num_computed_tokens + 1 for s in decodes]
     meta = _metadata(decodes, rows, ctx, len(ids), block_size, device, split_decodes)
-    if sampled and len(logits_rows) < len(ids):
+    if len(logits_rows) < len(ids):
         sampled_ctx = [s.request.num_computed_tokens + s.num_new_tokens for s in sampled]
         rows_alone = decode_groups(sampled, sampled_ctx, block_size, device, split_decodes)
-        meta = replace(meta, sampled=sampled_rows(rows_alone))
+        meta = replace(meta, sampled=sampled_rows(rows_alone, device))
     if part_table is not None and part_table.shape[1]:
         groups = tuple(_translated(meta, part_table[:, g]) for g in range(part_table.shape[1]))
         meta = replace(meta, window_groups=groups)

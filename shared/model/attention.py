@@ -134,18 +134,19 @@ class AttentionMetadata:
         return self if group == 0 else self.window_groups[group - 1]
 
 
-def sampled_rows(groups: Sequence[DecodeGroup]) -> AttentionMetadata:
+def sampled_rows(groups: Sequence[DecodeGroup], device: str) -> AttentionMetadata:
     """Metadata for rows that each attend as one decode row over KV already in the pool
-    and write none: the sampled rows of a step's last layer. Nothing reads a row's last
-    hidden state but its logits, so the other rows' attention, O projection and MLP
-    there are skipped; a decode row equals the same token's prefill row bitwise (the
-    attention kernels' contract), so the logits do not change."""
-    empty = torch.empty(0, dtype=torch.long, device=groups[0].batch.lens.device)
+    and write none: the sampled rows of a step's last layer (none: a prompt's chunk
+    before its last). Nothing reads a row's last hidden state but its logits, so the
+    other rows' attention, O projection and MLP there are skipped; a decode row equals
+    the same token's prefill row bitwise (the attention kernels' contract), so the
+    logits do not change."""
+    empty = torch.empty(0, dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_blocks=empty,
         slot_offsets=empty,
         slot_runs=(),
-        num_decodes=groups[-1].end,
+        num_decodes=groups[-1].end if groups else 0,
         decode=tuple(groups),
         prefills=(),
     )

@@ -82,6 +82,10 @@ class DecoderModel(ABC):
         self.gemm = linear
         self.ops = pointwise
 
+    def no_logits(self) -> torch.Tensor:
+        """The logits of a step that samples no row (a prompt's chunk before its last)."""
+        return torch.empty(0, self.lm_head.out_features, device=self.device)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             return self.gemm.rows(self.lm_head, input_ids)

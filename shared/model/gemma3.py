@@ -162,6 +162,8 @@ class Gemma3Model(DecoderModel):
                 on_layer(idx)
             if idx + 1 == len(self.layers) and slots.sampled is not None:
                 slots, n, sampled_only = slots.sampled, logits_rows.shape[0], True
+                if n == 0:
+                    return self.no_logits()
                 q, k, v, h = q[logits_rows], k[logits_rows], v[logits_rows], h[logits_rows]
             attn = paged_attention(q, k, v, k_pool, v_pool, slots, self.scale, attention, window)
             o = self.gemm(attn.reshape(n, q_dim), lw.o_proj)

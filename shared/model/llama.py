@@ -102,6 +102,8 @@ class LlamaModel(DecoderModel):
                 on_layer(idx)
             if idx + 1 == len(layers) and meta.sampled is not None:  # no one reads the rest
                 rows, n, sampled_only = meta.sampled, logits_rows.shape[0], True
+                if n == 0:
+                    return self.no_logits()
                 q, k, v, h = q[logits_rows], k[logits_rows], v[logits_rows], h[logits_rows]
             attn = paged_attention(q, k, v, k_pool, v_pool, rows, self.scale, attention)
             x = ops.add_rms_norm_(

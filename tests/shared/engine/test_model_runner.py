@@ -72,6 +72,14 @@ def test_build_input_orders_decodes_first_and_samples_finished_prompts() -> None
     assert m.sampled.slot_runs == () and m.sampled.block_runs == ()
 
 
+def test_a_chunk_that_samples_nothing_computes_no_row_past_its_last_kv() -> None:
+    chunk = make_req("c", prompt=10, computed=0, blocks=[5, 6, 7])
+    step = SchedulerOutput(scheduled=(ScheduledRequest(chunk, 5),), preempted=())
+    inp = build_input(step, block_size=4, device="cpu")
+    assert inp.logits_rows.tolist() == []
+    assert inp.meta.sampled is not None and inp.meta.sampled.decode == ()
+
+
 def test_a_step_whose_every_row_is_sampled_has_no_sampled_rows_metadata() -> None:
     decode = make_req("d", prompt=4, computed=4, blocks=[1, 2], outputs=1)
     one_token_prompt = make_req("p", prompt=1, computed=0, blocks=[3])

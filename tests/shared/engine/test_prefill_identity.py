@@ -58,13 +58,14 @@ def test_a_last_layer_of_the_sampled_row_only_gives_its_logits_bitwise(
     """A step that samples a prompt computes its last layer past the K/V writes for the
     sampled row alone (as a decode row): that row's logits are bitwise those of the
     prefill computing every row, at the first token, a block's last and first slots and
-    a long prompt; so is a later chunk's, on top of the KV earlier ones wrote."""
+    a long prompt; so is a later chunk's, on top of the KV an earlier chunk wrote that
+    sampled no row (its last layer computes none past the K/V writes)."""
     ids = prompt(loaded)[:length]
     whole = one_pass if length == PROMPT_TOKENS else prefill_logits(loaded, ids)
     assert torch.equal(prefill_logits(loaded, ids, last_only=True)[0], whole[-1])
-    if length > 1:
+    if length > 1:  # the first chunk samples nothing: its last layer stops at the K/V
         cache = new_cache(loaded)
-        prefill_logits(loaded, ids[: length // 2], cache=cache)
+        assert prefill_logits(loaded, ids[: length // 2], cache=cache, none=True).shape[0] == 0
         tail = prefill_logits(loaded, ids, start=length // 2, cache=cache, last_only=True)
         assert torch.equal(tail[0], whole[-1])
 

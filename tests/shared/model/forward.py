@@ -38,10 +38,12 @@ def prefill_logits(
     blocks: list[int] | None = None,
     attention: AttentionImpl | None = None,
     last_only: bool = False,
+    none: bool = False,
 ) -> torch.Tensor:
     """Logits of every row of ``ids[start:]``, computed on top of KV already at ``[0, start)``;
     ``last_only``: of the last row alone, the last layer computing that row only (as an
-    engine's step samples a prompt)."""
+    engine's step samples a prompt); ``none``: of no row, the last layer computing none
+    past its K/V writes (as a step computes a prompt's chunk before its last)."""
     cache = cache or new_cache(loaded)
     blocks = blocks or list(range(-(-len(ids) // BLOCK)))
     pos = torch.arange(start, len(ids))
@@ -58,8 +60,11 @@ def prefill_logits(
     if last_only:
         table = meta.prefills[0].block_table.tolist()
         batch = DecodeBatch.build([table], [len(ids)], BLOCK, "cpu")
-        meta = replace(meta, sampled=sampled_rows([DecodeGroup(0, 1, batch)]))
+        meta = replace(meta, sampled=sampled_rows([DecodeGroup(0, 1, batch)], "cpu"))
         rows = rows[-1:]
+    if none:
+        meta = replace(meta, sampled=sampled_rows([], "cpu"))
+        rows = rows[:0]
     if attention is None:  # what an engine on this machine picks
         model = loaded.model
         attention = select_attention(
