@@ -138,9 +138,11 @@ def sampled_rows(groups: Sequence[DecodeGroup], device: str) -> AttentionMetadat
     """Metadata for rows that each attend as one decode row over KV already in the pool
     and write none: the sampled rows of a step's last layer (none: a prompt's chunk
     before its last). Nothing reads a row's last hidden state but its logits, so the
-    other rows' attention, O projection and MLP there are skipped; a decode row equals
-    the same token's prefill row bitwise (the attention kernels' contract), so the
-    logits do not change."""
+    other rows' attention, O projection and MLP there are skipped. The logits do not
+    change where a decode row is bitwise the same token's prefill row and a GEMM row
+    does not depend on its batch: the native and Triton kernels' contract, which the
+    identity tests check for the backends an engine picks (torch's fallbacks already
+    round prefill and decode rows differently)."""
     empty = torch.empty(0, dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_blocks=empty,

@@ -103,6 +103,8 @@ class DecoderModel(ABC):
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run the batch; returns fp32 logits ``[len(logits_rows), vocab]`` of the chosen rows.
+        Where ``meta.sampled`` is set, the last layer computes only those rows past its
+        K/V writes (none at all when no row is chosen).
 
         ``on_layer(i)`` is called once layer ``i``'s K/V of this batch are in
         the pool (final: nothing later in this forward writes them again), so
