@@ -146,7 +146,7 @@ def decode_rows(
     rows: list[dict[str, object]] = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        peak = core_peak(dtype_name)
+        peak = core_peak(dtype_name, threads=args.threads)
         print(f"peak ({dtype_name}): " + (peak.describe() if peak else "unknown"))
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -210,7 +210,7 @@ def main() -> None:
     cases = [(n, n) for n in args.prompts] + [(512, 2048)]
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        peak = core_peak(dtype_name)
+        peak = core_peak(dtype_name, threads=args.threads)
         print(f"peak ({dtype_name}): " + (peak.describe() if peak else "unknown"))
         for threads in args.threads:
             torch.set_num_threads(threads)

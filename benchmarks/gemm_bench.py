@@ -145,7 +145,7 @@ def main() -> None:
         if not isinstance(native, NativeLinear) or problem is not None:
             print(f"skipping {dtype_name}: {problem}")
             continue
-        peak = core_peak(dtype_name)
+        peak = core_peak(dtype_name, threads=args.threads)
         print(f"peak ({dtype_name}): " + (peak.describe() if peak else "unknown"))
         ours, theirs = (
             forward_weights(native, dtype, args.layers),

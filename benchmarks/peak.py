@@ -3,14 +3,17 @@ instruction issued back to back on one thread, the one the kernels compute ``dty
 with here. fp32: vfmadd231ps (on zmm, else ymm). bf16: AMX's tdpbf16ps where the CPU
 has it and Linux lends the process its tile state (the GEMM and attention kernels then
 run on AMX), else vdpbf16ps. The benchmarks that report efficiency divide by it times
-their thread count."""
+their thread count, each core's peak measured with that many threads issuing at once
+(cores that all compute may run at a lower clock than one alone)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import default_cache_dir
@@ -44,14 +47,23 @@ UNITS = {"float32": (FMA32, FMA32_YMM), "bfloat16": (AMX_BF16, DPBF16)}  # the f
 @dataclass(frozen=True)
 class Peak:
     unit: str
-    gflops_per_core: float
+    gflops_per_core: float  # one thread alone
+    # thread count -> each core's GFLOP/s with that many threads issuing at once
+    at_once: dict[int, float] = field(default_factory=dict)
+
+    def per_core(self, threads: int) -> float:
+        return self.at_once.get(threads, self.gflops_per_core)
 
     def share(self, gflops: float, threads: int) -> float:
-        """``gflops`` over this peak times ``threads`` cores."""
-        return gflops / (self.gflops_per_core * threads)
+        """``gflops`` over ``threads`` cores' peak (measured at once where it was)."""
+        return gflops / (self.per_core(threads) * threads)
 
     def describe(self) -> str:
-        return f"{self.gflops_per_core:.0f} GFLOP/s per core ({self.unit})"
+        text = f"{self.gflops_per_core:.0f} GFLOP/s per core ({self.unit})"
+        for n, rate in sorted(self.at_once.items()):
+            if n > 1:
+                text += f"; {rate:.0f} each with {n} threads at once"
+        return text
 
 
 def share_text(peak: Peak | None, gflops: float, threads: int) -> str:
@@ -59,35 +71,56 @@ def share_text(peak: Peak | None, gflops: float, threads: int) -> str:
     return f" {peak.share(gflops, threads):4.0%} of peak" if peak is not None else ""
 
 
-def core_peak(dtype: str, seconds: float = 0.2) -> Peak | None:
-    """One core's peak in ``dtype`` on the unit the kernels use (None: no such unit)."""
+def core_peak(dtype: str, seconds: float = 0.2, threads: Iterable[int] = ()) -> Peak | None:
+    """One core's peak in ``dtype`` on the unit the kernels use (None: no such unit),
+    and each core's with each of ``threads`` threads issuing at once."""
     lib = load_library(build_library(SOURCE, default_cache_dir() / "kernels"))
     for unit in UNITS[dtype]:
         if getattr(lib, f"baton_peak_has_{unit.symbol}")():
             fn = getattr(lib, f"baton_peak_{unit.symbol}")
             fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_float
-            return Peak(unit.name, _rate(fn, seconds) * unit.flop_per_round / 1e9)
+            gflops = unit.flop_per_round / 1e9
+            at_once = {n: _rate(fn, seconds, n) * gflops for n in sorted(set(threads)) if n > 1}
+            return Peak(unit.name, _rate(fn, seconds, 1) * gflops, at_once)
     return None
 
 
-def _rate(fn: Callable[[int], float], seconds: float) -> float:
-    """Rounds per second of ``fn(rounds)``, the best of five calls of ~``seconds``/4."""
+def _rate(fn: Callable[[int], float], seconds: float, threads: int) -> float:
+    """Rounds per second each of ``threads`` threads calling ``fn(rounds)`` at once gets,
+    the best of five calls of ~``seconds``/4."""
     rounds = 1 << 12
     while True:  # grow until a call lasts long enough to time
-        spent = _timed(fn, rounds)
+        spent = _timed(fn, rounds, threads)
         if spent >= seconds / 4:
             break
         rounds *= 4
-    return rounds / min(_timed(fn, rounds) for _ in range(5))
+    return rounds / min(_timed(fn, rounds, threads) for _ in range(5))
 
 
-def _timed(fn: Callable[[int], float], rounds: int) -> float:
+def _timed(fn: Callable[[int], float], rounds: int, threads: int) -> float:
+    """Seconds from a common start until the last of ``threads`` calls ends (ctypes
+    releases the GIL: the calls run side by side)."""
+    if threads == 1:
+        t0 = time.perf_counter()
+        fn(rounds)
+        return time.perf_counter() - t0
+    start = threading.Barrier(threads + 1)
+
+    def work() -> None:
+        start.wait()
+        fn(rounds)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait()
     t0 = time.perf_counter()
-    fn(rounds)
+    for w in workers:
+        w.join()
     return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
     for d in UNITS:
-        p = core_peak(d)
+        p = core_peak(d, threads=range(2, (os.cpu_count() or 1) + 1))
         print(f"{d}: " + (p.describe() if p else "not available on this CPU"))

@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     args.dtype = resolve_dtype(args.dtype, "cpu")
-    peak = core_peak(args.dtype)
+    peak = core_peak(args.dtype, threads=args.threads)
     loaded = load_model(
         args.model, cache_dir=default_cache_dir(), dtype=args.dtype, progress=False,
         linear=args.linear,

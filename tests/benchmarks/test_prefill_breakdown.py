@@ -30,6 +30,17 @@ def test_peak_is_measured_on_the_unit_the_kernels_compute_with() -> None:
         assert bf16.share(bf16.gflops_per_core, 2) == 0.5
 
 
+@needs_cc
+def test_a_peak_at_several_threads_is_each_cores_with_all_issuing_at_once() -> None:
+    peak = core_peak("float32", seconds=0.02, threads=[1, 2])
+    if peak is None:
+        return
+    assert set(peak.at_once) == {2} and peak.at_once[2] > 1.0
+    # the share at 2 threads divides by the cores' rate measured together
+    assert peak.share(2 * peak.at_once[2], 2) == 1.0
+    assert "with 2 threads at once" in peak.describe()
+
+
 def test_gemm_flops_come_from_the_shapes_run() -> None:
     clock = Clock()
     gemm = CountedLinear(TorchLinear(pad_small_gemm=False), clock)
