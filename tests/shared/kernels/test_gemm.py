@@ -75,15 +75,19 @@ def test_matches_float64(built: GemmKernel, rows: int, n: int, k: int, dtype: to
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_do_not_depend_on_the_batch_or_threads(built: GemmKernel, dtype: torch.dtype) -> None:
     """Every row is computed in one fixed order, whichever tile it falls in: decode's
-    few rows and a prompt's hundreds take different tiles (and blocks of rows)."""
+    few rows and a prompt's hundreds take different tiles, and a long prompt's rows
+    blocks of rows that stay in L2 (700 rows of K = 576: 3 blocks in bf16, 5 in fp32)."""
     kernel = _kernel(built, dtype)
-    x, w = _operands(301, 960, 576, dtype)
+    x, w = _operands(700, 960, 576, dtype)
     packed = kernel.pack(w)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         full = kernel(x, packed, 960)
-        for start, end in ((0, 1), (3, 4), (5, 13), (7, 40), (44, 45), (60, 190), (300, 301)):
+        for start, end in (
+            (0, 1), (3, 4), (5, 13), (7, 40), (44, 45), (60, 190), (300, 301), (230, 250),
+            (100, 700), (699, 700),
+        ):  # fmt: skip
             assert torch.equal(kernel(x[start:end], packed, 960), full[start:end])
         torch.set_num_threads(2)
         assert torch.equal(kernel(x, packed, 960), full)
@@ -115,11 +119,11 @@ def test_glu_is_the_gemm_then_the_pointwise_glu(
     then the pointwise kernel's GLU, at every row count (AMX or not: K decides), for
     widths that fill the half panels and widths that do not."""
     kernel = _kernel(built, dtype)
-    x, gate = _operands(301, width, k, dtype, seed=width)
+    x, gate = _operands(700, width, k, dtype, seed=width)
     up = _operands(1, width, k, dtype, seed=width + 1)[1] * 3
     fused, plain = kernel.pack_glu(gate, up), kernel.pack(torch.cat([gate, up]))
     glu = pointwise.silu_mul if act == "silu" else pointwise.gelu_tanh_mul
-    for rows in (1, 5, 17, 33, 301):
+    for rows in (1, 5, 17, 33, 301, 700):
         want = glu(kernel(x[:rows], plain, 2 * width))
         assert torch.equal(kernel.glu(x[:rows], fused, width, act), want), rows
 
