@@ -3,7 +3,10 @@
 Each server is started in turn (never two at once) on the same model, the same
 ``baton bench`` workloads (unique token-id prompts, forced output lengths, streamed)
 run against it, it is stopped, and one table of Baton's ratios to each peer is
-written (``peers.md`` and ``peers.json`` in ``--out``).
+written (``peers.md`` and ``peers.json`` in ``--out``). With ``--rounds N`` (N > 1)
+every server is up at once, idle while another is measured, and the scenarios run
+on each in turn N times: the table gives medians over the rounds and the ratio in
+each round, which holds up on a host whose speed drifts between minutes.
 
 Baton runs as a user starts it: ``baton up`` with its defaults (``--dtype auto``).
 vLLM serves the converted checkpoint Baton loads (fp32 safetensors of the GGUF's
@@ -33,6 +36,7 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -185,31 +189,131 @@ async def measure(url: str, scenario: Scenario, seed: int, model: str = MODEL) -
     return summarize(results, duration)
 
 
+def _slug(server: Server) -> str:
+    return "".join(c if c.isalnum() else "-" for c in server.name.lower()).strip("-")
+
+
+def start(server: Server, out: Path, model: str = MODEL) -> Running:
+    """``server`` started, ready and warmed up (a short run), or stopped again and
+    RuntimeError raised."""
+    running = Running(server, out / f"{_slug(server)}.log")
+    try:
+        started = running.wait_ready()
+        print(f"{server.name}: ready in {started:.0f} s", flush=True)
+        asyncio.run(measure(running.url, Scenario("warm-up", 64, 8, 2, 2), 99, model))
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def run_scenario(running: Running, sc: Scenario, seed: int, model: str = MODEL) -> Figures | str:
+    summary = asyncio.run(measure(running.url, sc, seed, model))
+    got: Figures | str = (
+        Figures.of(summary)
+        if summary.completed
+        else f"all {summary.failed} requests failed: {summary.errors}"
+    )
+    print(f"  {running.server.name}, {sc.name}: {got}", flush=True)
+    return got
+
+
 def run_server(
     server: Server, scenarios: Sequence[Scenario], out: Path, model: str = MODEL
 ) -> dict[str, Figures | str]:
     """Every scenario on one server (a short warm-up first); a failed start is reported
     as the reason instead of figures."""
-    slug = "".join(c if c.isalnum() else "-" for c in server.name.lower()).strip("-")
-    running = Running(server, out / f"{slug}.log")
-    figures: dict[str, Figures | str] = {}
     try:
-        started = running.wait_ready()
-        print(f"{server.name}: ready in {started:.0f} s", flush=True)
-        asyncio.run(measure(running.url, Scenario("warm-up", 64, 8, 2, 2), 99, model))
-        for i, sc in enumerate(scenarios):
-            summary = asyncio.run(measure(running.url, sc, i, model))
-            if summary.completed == 0:
-                figures[sc.name] = f"all {summary.failed} requests failed: {summary.errors}"
-            else:
-                figures[sc.name] = Figures.of(summary)
-            print(f"  {sc.name}: {figures[sc.name]}", flush=True)
+        running = start(server, out, model)
     except RuntimeError as exc:
-        figures = {sc.name: str(exc) for sc in scenarios}
         print(f"{server.name}: {exc}", flush=True)
+        return {sc.name: str(exc) for sc in scenarios}
+    try:
+        return {sc.name: run_scenario(running, sc, i, model) for i, sc in enumerate(scenarios)}
     finally:
         running.stop()
-    return figures
+
+
+def run_interleaved(
+    servers: Sequence[Server],
+    scenarios: Sequence[Scenario],
+    out: Path,
+    rounds: int,
+    model: str = MODEL,
+) -> list[dict[str, dict[str, Figures | str]]]:
+    """Every server started at once (each idle while another is measured), then
+    ``rounds`` rounds of every scenario on each server in turn: a ratio within a round
+    compares runs seconds apart, so a host whose speed drifts from minute to minute
+    moves both sides alike. Fresh prompts every round (a cache hit is no measurement)."""
+    running: dict[str, Running] = {}
+    failed: dict[str, str] = {}
+    try:
+        for server in servers:
+            try:
+                running[server.name] = start(server, out, model)
+            except RuntimeError as exc:
+                print(f"{server.name}: {exc}", flush=True)
+                failed[server.name] = str(exc)
+        per_round: list[dict[str, dict[str, Figures | str]]] = []
+        for r in range(rounds):
+            print(f"round {r + 1} of {rounds}", flush=True)
+            results: dict[str, dict[str, Figures | str]] = {
+                s.name: {sc.name: failed[s.name] for sc in scenarios}
+                for s in servers
+                if s.name in failed
+            }
+            for i, sc in enumerate(scenarios):
+                for name, run in running.items():
+                    results.setdefault(name, {})[sc.name] = run_scenario(
+                        run, sc, 1000 * (r + 1) + i, model
+                    )
+            per_round.append({s.name: results[s.name] for s in servers})
+        return per_round
+    finally:
+        for run in running.values():
+            run.stop()
+
+
+def combine(
+    per_round: Sequence[dict[str, dict[str, Figures | str]]],
+) -> dict[str, dict[str, Figures | str]]:
+    """Each server's figures per scenario over the rounds: every figure's median, the
+    failures summed; a scenario that failed in any round reports that round's reason."""
+    out: dict[str, dict[str, Figures | str]] = {}
+    for name in per_round[0]:
+        out[name] = {}
+        for sc in per_round[0][name]:
+            got = [r[name][sc] for r in per_round]
+            reasons = [g for g in got if isinstance(g, str)]
+            figs = [g for g in got if isinstance(g, Figures)]
+            out[name][sc] = (
+                reasons[0]
+                if reasons
+                else Figures(
+                    statistics.median(f.ttft_p50 for f in figs),
+                    statistics.median(f.tpot_p50 for f in figs),
+                    statistics.median(f.output_tok_s for f in figs),
+                    sum(f.failed for f in figs),
+                )
+            )
+    return out
+
+
+def round_ratios(
+    per_round: Sequence[dict[str, dict[str, Figures | str]]], baseline: str
+) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """Baton's ratios to each peer within each round, per peer and scenario (rounds
+    where either side failed are left out)."""
+    out: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for results in per_round:
+        for name, per in results.items():
+            if name == baseline:
+                continue
+            for sc, got in per.items():
+                ours = results[baseline].get(sc)
+                if isinstance(got, Figures) and isinstance(ours, Figures):
+                    out.setdefault(name, {}).setdefault(sc, []).append(ratios(ours, got))
+    return out
 
 
 def ratios(ours: Figures, peer: Figures) -> dict[str, float]:
@@ -277,8 +381,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run `baton up ARGS`, BATON_*=VALUE words its environment "
         "(e.g. 'fixed threads=--max-threads 1', 'oneDNN=BATON_LINEAR=onednn')",
     )  # fmt: skip
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="above 1: every server up at once, the scenarios on each in turn, this many "
+        "rounds (medians, and the ratio in each round); 1: each server alone, in turn",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-results/peers"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
 
 
 def baton_servers(
@@ -333,14 +445,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     scenarios = [SCENARIOS[i] for i in args.scenarios]
-    results = {s.name: run_server(s, scenarios, args.out, args.model) for s in servers(args)}
+    chosen = servers(args)
+    per_round: list[dict[str, dict[str, Figures | str]]] = []
+    if args.rounds > 1:
+        per_round = run_interleaved(chosen, scenarios, args.out, args.rounds, args.model)
+        results = combine(per_round)
+    else:
+        results = {s.name: run_server(s, scenarios, args.out, args.model) for s in chosen}
     baseline = next(iter(results))
-    body = {
+    body: dict[str, object] = {
         name: {sc: asdict(f) if isinstance(f, Figures) else f for sc, f in per.items()}
         for name, per in results.items()
     }
-    (args.out / "peers.json").write_text(json.dumps(body, indent=1))
     text = table(results, baseline)
+    if per_round:
+        by_round = round_ratios(per_round, baseline)
+        body["ratios_by_round"] = by_round
+        text += f"\nMedians over {args.rounds} interleaved rounds. Baton's TTFT ratio by round:\n"
+        for peer, per in by_round.items():
+            for sc, rs in per.items():
+                listed = ", ".join(f"{r['ttft']:.2f}" for r in rs)
+                median = statistics.median(r["ttft"] for r in rs)
+                text += f"- {peer}, {sc}: {listed} (median {median:.2f}×)\n"
+    (args.out / "peers.json").write_text(json.dumps(body, indent=1))
     (args.out / "peers.md").write_text(text)
     print(text)
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.peers import Figures, parse_args, ratios, servers, table
+from benchmarks.peers import Figures, combine, parse_args, ratios, round_ratios, servers, table
 
 
 def test_ratios_are_batons_figure_over_the_peers() -> None:
@@ -46,3 +46,29 @@ def test_baton_variants_run_after_the_defaults_with_their_arguments() -> None:
     ]
     assert got[1].command[-2:] == ["--max-threads", "1"]
     assert "--max-threads" not in got[0].command
+
+
+def test_rounds_combine_to_medians_and_ratios_within_each_round() -> None:
+    """Interleaved rounds: each figure's median over the rounds, failures summed, and
+    Baton's ratio to the peer in each round (a round either side failed is left out)."""
+    ours = [Figures(0.2, 0.02, 60.0, 0), Figures(0.3, 0.03, 40.0, 1), Figures(0.1, 0.01, 80.0, 0)]
+    theirs: list[Figures | str] = [
+        Figures(0.25, 0.02, 50.0, 0),
+        Figures(0.3, 0.02, 50.0, 0),
+        "vLLM exited with 1",
+    ]
+    rounds: list[dict[str, dict[str, Figures | str]]] = [
+        {"Baton": {"512 in": o}, "vLLM": {"512 in": t}} for o, t in zip(ours, theirs, strict=True)
+    ]
+    combined = combine(rounds)
+    assert combined["Baton"]["512 in"] == Figures(0.2, 0.02, 60.0, 1)
+    assert combined["vLLM"]["512 in"] == "vLLM exited with 1"
+    by_round = round_ratios(rounds, "Baton")
+    assert [r["ttft"] for r in by_round["vLLM"]["512 in"]] == pytest.approx([0.8, 1.0])
+    assert "Baton" not in by_round
+
+
+def test_rounds_must_be_positive() -> None:
+    assert parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
