@@ -53,6 +53,8 @@ from shared.serving.protocol import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DRAIN_S = 60.0
+# a worker ends its stream right after its last event
+STREAM_END_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -460,10 +462,12 @@ class Handoff:
             )
 
     async def _drain(self, prefill: WorkerStream) -> None:
-        """Read prefill's stream to ``committed`` so it does not revoke the KV."""
+        """Read prefill's stream to ``committed`` so it does not revoke the KV, then to
+        its end (which follows at once) so its connection serves the next request."""
         try:
             with contextlib.suppress(ServiceError):
                 await prefill.next()
+                await prefill.ended(STREAM_END_S)
         finally:
             await prefill.aclose()
 

@@ -50,6 +50,17 @@ class WorkerStream:
             raise ServiceError(status, f"{self.who}: {item.message}", code=item.code)
         return item
 
+    async def ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the worker to end the stream (after its last
+        event); whether it did. A response read to its end hands its connection back to
+        the pool, where one closed halfway through is dropped: the next request would
+        then open a new TCP connection, and the worker accept it, on its way in."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def aclose(self) -> None:
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
