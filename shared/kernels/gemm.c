@@ -173,13 +173,14 @@ static int64_t row_block(int64_t m, int64_t row_bytes) {
         }                                                                                   \
     }                                                                                       \
                                                                                             \
-    /* Panel p's columns of out: p's PANEL columns, or with a GLU act its HALF. */         \
-    static void NAME##_panel(int64_t p, int64_t panels, int per_k, const T *x, int64_t m,   \
-                             int64_t k_len, const T *packed, int64_t n, T *out,             \
-                             int64_t ldo, int act) {                                        \
+    /* Panel p's columns of out: p's PANEL columns, or with a GLU act its HALF; panel     \
+     * ahead (none where it is panels) is prefetched meanwhile. */                          \
+    static void NAME##_panel(int64_t p, int64_t ahead, int64_t panels, int per_k,          \
+                             const T *x, int64_t m, int64_t k_len, const T *packed,         \
+                             int64_t n, T *out, int64_t ldo, int act) {                     \
         const T *panel = packed + p * k_len * PANEL;                                        \
-        const char *next = (const char *)(panel + k_len * PANEL);                           \
-        Prefetch pf = {next, p + 1 < panels ? next + k_len * PANEL * sizeof(T) : next};     \
+        const char *next = (const char *)(packed + ahead * k_len * PANEL);                  \
+        Prefetch pf = {next, ahead < panels ? next + k_len * PANEL * sizeof(T) : next};     \
         const int64_t wide = act ? HALF : PANEL;                                            \
         int64_t cols = n - p * wide < wide ? n - p * wide : wide;                           \
         for (int64_t r = 0; r < m; r += ROW_TILE) {                                         \
@@ -204,13 +205,18 @@ static int64_t row_block(int64_t m, int64_t row_bytes) {
             for (int64_t i = 0; i < items; i++) {                                           \
                 const int64_t r0 = i / panels * block;                                      \
                 const int64_t rows = m - r0 < block ? m - r0 : block;                       \
-                NAME##_panel(i % panels, panels, prefetch_per_k(rows), x + r0 * k_len,      \
-                             rows, k_len, packed, n, out + r0 * ldo, ldo, act);             \
+                /* the panel of the item this thread most likely takes next (threads      \
+                 * take turns): its own next panel went to the other core's cache (1-2%) */ \
+                const int64_t next = i + threads, ahead = next < items ? next % panels : panels; \
+                NAME##_panel(i % panels, ahead, panels, prefetch_per_k(rows),               \
+                             x + r0 * k_len, rows, k_len, packed, n, out + r0 * ldo, ldo,   \
+                             act);                                                          \
             }                                                                               \
         } else {                                                                            \
             _Pragma("omp parallel for num_threads(threads) schedule(static)")               \
             for (int64_t p = 0; p < panels; p++)                                            \
-                NAME##_panel(p, panels, per_k, x, m, k_len, packed, n, out, ldo, act);      \
+                NAME##_panel(p, p + 1, panels, per_k, x, m, k_len, packed, n, out, ldo,    \
+                             act);                                                          \
         }                                                                                   \
         return 0;                                                                           \
     }
