@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -98,6 +99,7 @@ def service_app(title: str, build: Callable[[], Awaitable[Component]]) -> FastAP
             app.state.startup_error = exc
             raise
         app.state.component = component
+        freeze_startup_objects()
         try:
             yield
         finally:
@@ -110,6 +112,16 @@ def service_app(title: str, build: Callable[[], Awaitable[Component]]) -> FastAP
         return {"status": "ok"}
 
     return app
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive once the component has started (modules, the model's
+    tensors, clients: ~200,000 in an engine process) out of the garbage collector's
+    reach. A full collection walked them all, ~105 ms holding the GIL, which the engine
+    thread needs between kernels: one during a service's first request held its
+    prefill to a crawl (what the request itself allocates stays collectable)."""
+    gc.collect()
+    gc.freeze()
 
 
 def component_of(request: Request, kind: type[C]) -> C:
