@@ -195,6 +195,32 @@ class KVStoreClient:
         now = time.monotonic()
         return [n for n in self._live if self._down.get(n.instance_id, 0.0) <= now]
 
+    async def connect(self, links: int = 2, timeout_s: float = 5.0) -> int:
+        """Open ``links`` connections to every live node now (a ping on each), so that a
+        service's first request does not: a UCX endpoint's creation, the transport's
+        first imports and the shared arena's mapping held the event loop, and with it
+        the GIL the engine thread takes between kernels, for ~1 s of a first 512-token
+        prefill (2 links: a prefill leases its cached prefix and reserves its put at
+        once). Returns the nodes that answered; one that did not is left to the
+        requests, as it would have been (nothing is marked down here)."""
+        nodes = await self.nodes(force=True)
+        pings = [node.ping() for node in nodes for _ in range(links)]
+        try:
+            async with asyncio.timeout(timeout_s):
+                results = await asyncio.gather(*pings, return_exceptions=True)
+        except TimeoutError:
+            log.info("KV store nodes did not all answer within %.1fs", timeout_s)
+            return 0
+        answered = set()
+        for i, result in enumerate(results):
+            if isinstance(result, TransportError | KVStoreError):
+                log.info("KV store node %s: %s", nodes[i // links].instance_id, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                answered.add(i // links)
+        return len(answered)
+
     def mark_down(self, node: NodeClient) -> None:
         """Skip ``node`` for ``down_s``: it failed at the transport level."""
         if self._down.get(node.instance_id, 0.0) <= time.monotonic():

@@ -161,6 +161,8 @@ class Worker:
         self._loop.start()
         if self._connector is not None:
             self._connector.start(asyncio.get_running_loop(), self._loop.wake)
+            reached = await self.kv.connect()
+            log.info("%s: connected to %d KV store node(s)", self.role, reached)
         await self.publisher.start()
         member = Member(
             instance_id=self.instance_id,

@@ -86,6 +86,31 @@ async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: flo
         await asyncio.sleep(0.05)
 
 
+def connections(store: StoreNode) -> float:
+    text = httpx.get(f"{store.http}/metrics").text
+    return float(re.search(r"^baton_kvstore_connections (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_connect_opens_the_links_a_first_request_then_reuses(
+    transport: str, one_store: OneStore
+) -> None:
+    """A service connects at start-up, so that its first request does not pay for the
+    connections (and the imports, the endpoint, the arena's mapping behind them)."""
+    store, client = one_store(transport)
+    assert connections(store) == 0
+    assert await client.connect(links=2) == 1
+    await wait_until(lambda: connections(store) == 2)
+    keys = ids(2)
+    await client.put(keys, blocks(2, 4096), num_layers=1)  # on the links already open
+    assert await client.lookup(keys) == 2
+    assert connections(store) == 2
+    store.proc.kill()  # a node registered but gone: reported, not raised
+    started = time.monotonic()
+    assert await client.connect(links=2, timeout_s=2.0) == 0
+    assert time.monotonic() - started < 3.0
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_round_trips_are_byte_exact(transport: str, one_store: OneStore) -> None:
     _, client = one_store(transport)

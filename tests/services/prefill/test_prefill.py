@@ -117,3 +117,15 @@ def test_internal_routes_refuse_calls_without_the_cluster_secret(cluster: Cluste
         )
         assert found is not None and float(found.group(1)) >= 2
         assert httpx.get(base + "/ready", timeout=10).status_code == 200  # probes stay open
+
+
+def test_workers_connect_to_the_store_before_they_are_ready(cluster: Cluster) -> None:
+    """Each prefill and decode opened its store connections at start-up: made during a
+    first request instead, they held its prefill ~1 s on a 2-core host."""
+    log_dir = cluster.local.log_dir
+    assert log_dir is not None
+    workers = [s for s in cluster.local.specs if s.role in ("prefill", "decode")]
+    assert len(workers) == 4
+    for spec in workers:
+        text = (log_dir / f"{spec.name}.log").read_text()
+        assert f"{spec.role}: connected to 1 KV store node(s)" in text, spec.name
