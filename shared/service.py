@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol, TypeVar
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
@@ -99,6 +100,9 @@ def service_app(title: str, build: Callable[[], Awaitable[Component]]) -> FastAP
             app.state.startup_error = exc
             raise
         app.state.component = component
+        # anyio imports its asyncio backend at its first use, a streamed response's
+        # first task group: in a request, with the GIL the engine thread waits for
+        await anyio.sleep(0)
         freeze_startup_objects()
         try:
             yield
