@@ -204,21 +204,27 @@ class KVStoreClient:
         once). Returns the nodes that answered; one that did not is left to the
         requests, as it would have been (nothing is marked down here)."""
         nodes = await self.nodes(force=True)
-        pings = [node.ping() for node in nodes for _ in range(links)]
-        try:
-            async with asyncio.timeout(timeout_s):
-                results = await asyncio.gather(*pings, return_exceptions=True)
-        except TimeoutError:
-            log.info("KV store nodes did not all answer within %.1fs", timeout_s)
+        pings = {asyncio.ensure_future(node.ping()): node for node in nodes for _ in range(links)}
+        if not pings:
             return 0
+        try:
+            done, pending = await asyncio.wait(pings, timeout=timeout_s)
+        finally:
+            for task in pings:
+                task.cancel()  # those still waiting on a node that does not answer
+            await asyncio.gather(*pings, return_exceptions=True)
+        silent = {pings[task].instance_id for task in pending}
+        if silent:
+            log.info("KV store node(s) %s did not answer within %.1fs", sorted(silent), timeout_s)
         answered = set()
-        for i, result in enumerate(results):
-            if isinstance(result, TransportError | KVStoreError):
-                log.info("KV store node %s: %s", nodes[i // links].instance_id, result)
-            elif isinstance(result, BaseException):
-                raise result
+        for task in done:
+            node, error = pings[task], task.exception()
+            if error is None:
+                answered.add(node.instance_id)
+            elif isinstance(error, TransportError | KVStoreError):
+                log.info("KV store node %s: %s", node.instance_id, error)
             else:
-                answered.add(i // links)
+                raise error
         return len(answered)
 
     def mark_down(self, node: NodeClient) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -109,6 +110,28 @@ async def test_connect_opens_the_links_a_first_request_then_reuses(
     started = time.monotonic()
     assert await client.connect(links=2, timeout_s=2.0) == 0
     assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_connect_counts_the_nodes_that_answered_when_one_hangs(
+    transport: str, start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """A node that accepts but never answers (stopped) costs the timeout, not the
+    count of the nodes that did answer."""
+    p = prefix()
+    live, hung = start_store(transport, p), start_store(transport, p)
+    client = make_client(transport, p)
+    assert len(await client.nodes(force=True)) == 2
+    hung_proc = hung.proc.proc
+    assert hung_proc is not None
+    hung_proc.send_signal(signal.SIGSTOP)  # its heartbeat lives for another ~1 s
+    try:
+        started = time.monotonic()
+        assert await client.connect(links=2, timeout_s=0.5) == 1
+        assert time.monotonic() - started < 2.0
+    finally:
+        hung_proc.send_signal(signal.SIGCONT)
+    await wait_until(lambda: connections(live) == 2)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
