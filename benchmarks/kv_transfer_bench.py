@@ -1,6 +1,7 @@
 """KV store data-plane throughput and latency, against raw TCP and memcpy, in one run.
 
     python -m benchmarks.kv_transfer_bench [--mb 64] [--repeats 7] [--paths ucx tcp shm]
+                                           [--block-bytes 737280] [--torch-rows]
                                            [--out FILE]
 
 Measures, alternating the configurations in every repeat (the machine is
@@ -16,6 +17,10 @@ noisy, so only ratios taken side by side mean anything):
   one write per layer for all blocks, commit; what prefill does) and read back
   as a layer stream (what decode does);
 - p50/p99 latency of a single-block get;
+- the same operations per block in microseconds (``--block-bytes 3840``: blocks so
+  small that the figure is the client's and the store's bookkeeping, not bytes);
+  ``--torch-rows``: the blocks are rows of one CPU tensor, as a CPU pool's are when a
+  prefill puts them, instead of numpy arrays;
 - where CUDA is present, host-to-GPU and back from a shared arena pinned in
   place (what a GPU client on the store's host would DMA from) against pageable
   memory.
@@ -154,18 +159,21 @@ class ClientWorker:
     deployment: UCX's progress engine in a process slows an unrelated TCP socket).
     Reads commands on stdin, answers one JSON line each."""
 
-    def __init__(self, path: DataPath, redis_url: str, nbytes: int):
+    def __init__(
+        self, path: DataPath, redis_url: str, nbytes: int, block_bytes: int, torch_rows: bool
+    ):
         self.path = path
         self.redis_url = redis_url
-        self.nblocks = nbytes // BLOCK_BYTES
+        self.block_bytes = block_bytes
+        self.torch_rows = torch_rows
+        self.nblocks = nbytes // block_bytes
         self.counter = 0
 
     async def serve(self) -> None:
         redis = aioredis.from_url(self.redis_url)
         transport = make_transport(self.path.transport)
         client = KVStoreClient(transport, redis, Keys(f"bench-{self.path.name}"), shm=self.path.shm)
-        src = [np.random.randint(0, 255, BLOCK_BYTES, dtype=np.uint8) for _ in range(self.nblocks)]
-        dst = [np.empty(BLOCK_BYTES, dtype=np.uint8) for _ in range(self.nblocks)]
+        src, dst = self._blocks()
         loop = asyncio.get_running_loop()
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             cmd, *rest = line.split()
@@ -183,7 +191,7 @@ class ClientWorker:
             elif cmd == "layers":
                 put_s, ids = await self._put_layers(client, src)
                 for buf in dst:
-                    buf.fill(0)
+                    buf[:] = 0
                 stream_s = await self._stream(client, ids, dst)
                 same = all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
                 reply = {"put_layers": put_s, "stream": stream_s, "same": same}
@@ -199,36 +207,44 @@ class ClientWorker:
         await transport.shutdown()
         await redis.aclose()
 
-    async def _put(
-        self, client: KVStoreClient, blocks: list[np.ndarray]
-    ) -> tuple[float, list[str]]:
+    def _blocks(self) -> tuple[list[Any], list[Any]]:
+        """Blocks to put and blocks to get into: numpy arrays, or a CPU pool's rows."""
+        shape = (self.nblocks, self.block_bytes)
+        src, dst = np.random.randint(0, 255, shape, dtype=np.uint8), np.empty(shape, np.uint8)
+        if not self.torch_rows:
+            return list(src), list(dst)
+        import torch
+
+        return list(torch.from_numpy(src)), list(torch.from_numpy(dst))
+
+    async def _put(self, client: KVStoreClient, blocks: list[Any]) -> tuple[float, list[str]]:
         self.counter += 1
         ids = [f"{self.counter:016x}{i:016x}" for i in range(len(blocks))]
         t = time.perf_counter()
         await client.put(ids, blocks, num_layers=NUM_LAYERS)
         return time.perf_counter() - t, ids
 
-    async def _get(self, client: KVStoreClient, ids: list[str], into: list[np.ndarray]) -> float:
+    async def _get(self, client: KVStoreClient, ids: list[str], into: list[Any]) -> float:
         t = time.perf_counter()
         await client.get(ids, into)
         return time.perf_counter() - t
 
     async def _put_layers(
-        self, client: KVStoreClient, blocks: list[np.ndarray]
+        self, client: KVStoreClient, blocks: list[Any]
     ) -> tuple[float, list[str]]:
         """Prefill's pattern: reserve, then one write per layer carrying every block's slice."""
         self.counter += 1
         ids = [f"{self.counter:016x}{i:016x}" for i in range(len(blocks))]
-        lb = BLOCK_BYTES // NUM_LAYERS
+        lb = self.block_bytes // NUM_LAYERS
         t = time.perf_counter()
-        handle = await client.begin_put(ids, [BLOCK_BYTES] * len(ids), num_layers=NUM_LAYERS)
+        handle = await client.begin_put(ids, [self.block_bytes] * len(ids), num_layers=NUM_LAYERS)
         for layer in range(NUM_LAYERS):
             span = (layer, layer + 1)
             await handle.write(ids, [b[layer * lb : (layer + 1) * lb] for b in blocks], span)
         await handle.commit()
         return time.perf_counter() - t, ids
 
-    async def _stream(self, client: KVStoreClient, ids: list[str], into: list[np.ndarray]) -> float:
+    async def _stream(self, client: KVStoreClient, ids: list[str], into: list[Any]) -> float:
         t = time.perf_counter()
         async for _ in client.stream(ids, into, num_layers=NUM_LAYERS, wait_s=30):
             pass
@@ -239,7 +255,14 @@ class StoreTarget:
     """One store process for a data path and a client worker process driving it."""
 
     def __init__(
-        self, path: DataPath, redis_url: str, workdir: Path, nbytes: int, capacity_gb: float
+        self,
+        path: DataPath,
+        redis_url: str,
+        workdir: Path,
+        nbytes: int,
+        capacity_gb: float,
+        block_bytes: int,
+        torch_rows: bool,
     ):
         self.name = path.name
         http, data = free_ports(2)
@@ -258,7 +281,8 @@ class StoreTarget:
         self.proc.start().wait_ready()
         self.client = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.kv_transfer_bench", "--client", path.name,
-             "--redis-url", redis_url, "--raw-bytes", str(nbytes)],
+             "--redis-url", redis_url, "--raw-bytes", str(nbytes),
+             "--block-bytes", str(block_bytes), *(["--torch-rows"] if torch_rows else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -319,13 +343,22 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    nblocks = max(1, (args.mb << 20) // BLOCK_BYTES)
-    nbytes = nblocks * BLOCK_BYTES
+    nblocks = max(1, (args.mb << 20) // args.block_bytes)
+    nbytes = nblocks * args.block_bytes
     workdir = Path(tempfile.mkdtemp(prefix="baton-bench-"))
     redis = RedisProcess().start()
     raw = RawTcp(nbytes)
     targets = [
-        StoreTarget(PATHS[p], redis.url, workdir, nbytes, args.capacity_gb) for p in args.paths
+        StoreTarget(
+            PATHS[p],
+            redis.url,
+            workdir,
+            nbytes,
+            args.capacity_gb,
+            block_bytes=args.block_bytes,
+            torch_rows=args.torch_rows,
+        )
+        for p in args.paths
     ]
     times: dict[str, list[float]] = {"memcpy": [], "raw_tcp_up": [], "raw_tcp_down": []}
     cold: dict[str, float] = {}
@@ -364,6 +397,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw.close()
         redis.stop()
     gbps = {k: _median_gbps(nbytes, v) for k, v in times.items()}
+    us_per_block = {
+        k: statistics.median(v) / nblocks * 1e6
+        for k, v in times.items()
+        if k.split("_", 1)[-1] in KINDS
+    }
     ratios = {}
     for target in targets:
         ratios[f"{target.name}_put_vs_raw_tcp"] = gbps[f"{target.name}_put"] / gbps["raw_tcp_up"]
@@ -380,9 +418,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "local_client": local,
         "bytes": nbytes,
         "blocks": nblocks,
-        "block_bytes": BLOCK_BYTES,
+        "block_bytes": args.block_bytes,
+        "torch_rows": args.torch_rows,
         "repeats": args.repeats,
         "gbps_median": gbps,
+        "us_per_block_median": us_per_block,
         "gbps_first_touch": cold,
         "ratios": ratios,
         "single_block_get": latency,
@@ -397,17 +437,29 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--capacity-gb", type=float, default=0.25)
     parser.add_argument("--latency-samples", type=int, default=500)
+    parser.add_argument(
+        "--block-bytes",
+        type=int,
+        default=BLOCK_BYTES,
+        help="bytes per block, a multiple of 30 (the layers of a layer-wise put)",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
+    parser.add_argument("--torch-rows", action="store_true", help="blocks as a CPU tensor's rows")
     args = parser.parse_args()
+    if args.block_bytes <= 0 or args.block_bytes % NUM_LAYERS:
+        parser.error(f"--block-bytes must be a positive multiple of {NUM_LAYERS}")
     if args.raw_server:
         raw_server(args.raw_server, args.raw_bytes)
         return
     if args.client:
-        asyncio.run(ClientWorker(PATHS[args.client], args.redis_url, args.raw_bytes).serve())
+        worker = ClientWorker(
+            PATHS[args.client], args.redis_url, args.raw_bytes, args.block_bytes, args.torch_rows
+        )
+        asyncio.run(worker.serve())
         return
     report = run(args)
     text = json.dumps(report, indent=2)

@@ -23,7 +23,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -58,15 +58,25 @@ class Entry:
     num_layers: int
     owner: str
     deadline: float
-    written: np.ndarray = field(init=False)
+    # bit i: layer i landed (an int, not an array: a node holds tens of thousands of
+    # entries and marks them on every write of every block)
+    written: int = 0
     committed: bool = False
     io: int = 0  # transfers touching the slot (reads and writes): never freed while > 0
     writing: int = 0  # writes among them (a commit waits for them to settle)
     pins: int = 0
     dead: bool = False
 
-    def __post_init__(self) -> None:
-        self.written = np.zeros(self.num_layers, dtype=bool)
+    def mark_written(self, start: int, stop: int) -> None:
+        self.written |= (1 << stop) - (1 << start)
+
+    @property
+    def complete(self) -> bool:
+        """Every layer written."""
+        return self.written == (1 << self.num_layers) - 1
+
+    def has_layer(self, layer: int) -> bool:
+        return bool(self.written >> layer & 1)
 
     @property
     def layer_bytes(self) -> int:
@@ -158,7 +168,7 @@ class BlockStore:
         for entry in transfer.entries:
             if ok and not entry.dead:
                 start, stop = transfer.layers or (0, entry.num_layers)
-                entry.written[start:stop] = True
+                entry.mark_written(start, stop)
             entry.writing -= 1
             self._io_done(entry)
         self._notify()  # readers of the layers, and commits waiting for writes to settle
@@ -183,7 +193,7 @@ class BlockStore:
         missing = [i for i, e in zip(ids, entries, strict=True) if e is None]
         if missing:
             raise KVMissError(f"{len(missing)} blocks are not reserved", missing)
-        incomplete = [e.id for e in entries if e is not None and not e.written.all()]
+        incomplete = [e.id for e in entries if e is not None and not e.complete]
         if incomplete:
             raise KVBadRequestError(
                 f"{len(incomplete)} blocks are not completely written", incomplete
@@ -237,7 +247,7 @@ class BlockStore:
             dead = [e.id for e in entries if e.dead]
             if dead:
                 raise KVMissError(f"{len(dead)} blocks were revoked while being read", dead)
-            ready = all(e.committed if layer is None else e.written[layer] for e in entries)
+            ready = all(e.committed if layer is None else e.has_layer(layer) for e in entries)
             if ready:
                 return
             tick, remaining = self._tick, deadline - time.monotonic()
@@ -332,8 +342,18 @@ class BlockStore:
         return slot
 
     def _evict(self, target_bytes: float) -> None:
-        while self.arena.used_bytes > target_bytes and self._evict_one():
-            pass
+        """The least recently committed blocks no transfer or lease holds, until the
+        arena's use is down to ``target_bytes``: dropped together (one index update)."""
+        excess = self.arena.used_bytes - target_bytes
+        victims = []
+        for entry in self._lru.values():
+            if excess <= 0:
+                break
+            if entry.pins == 0 and entry.io == 0:
+                victims.append(entry)
+                excess -= entry.slot.size
+        self._drop_all(victims)
+        self.metrics.evictions.inc(len(victims))
 
     def _evict_one(self) -> bool:
         victim = next((e for e in self._lru.values() if e.pins == 0 and e.io == 0), None)

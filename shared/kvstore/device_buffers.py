@@ -31,7 +31,11 @@ def is_device(buf: Buffer) -> bool:
 
 
 def nbytes(buf: Buffer) -> int:
-    if is_device(buf):
+    """The bytes ``buf`` moves; a host buffer that no transport takes (not contiguous)
+    raises ValueError here, before a request names its size."""
+    if hasattr(buf, "element_size"):  # a torch tensor: no view made (0.2 us, not 4)
+        if not is_device(buf) and not buf.is_contiguous():
+            raise ValueError("transport buffers must be contiguous")
         return int(buf.numel() * buf.element_size())
     return as_bytes_view(buf).nbytes
 

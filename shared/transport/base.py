@@ -64,6 +64,8 @@ def as_bytes_view(buf: Buffer) -> memoryview:
             raise ValueError("transport buffers must be contiguous")
         import torch  # already loaded: ``buf`` is a tensor
 
+        if buf.dtype is torch.uint8 and buf.dim() == 1 and not buf.requires_grad:
+            return memoryview(buf.numpy())  # a pool's block row: 1 us, not 4 (per block)
         buf = buf.detach().reshape(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
     view = memoryview(buf)
     if not view.contiguous:

@@ -117,6 +117,7 @@ async def test_high_watermark_evicts_down_to_low() -> None:
     put(store, [bid(i) for i in range(n)])
     assert store.arena.used_bytes <= 0.85 * store.arena.capacity
     assert store.held_ids() == [bid(i) for i in range(n - len(store.held_ids()), n)]  # oldest went
+    assert store.metrics.evictions._value.get() == n - len(store.held_ids())
     assert set(store.held_ids()) == index.held
 
 

@@ -3,6 +3,7 @@ destination merge into one copy (checked on CPU tensors: the merging is pure log
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared.kvstore.device_buffers import coalesce, is_device, nbytes
@@ -39,3 +40,12 @@ def test_views_of_different_tensors_never_merge() -> None:
 def test_host_buffers_are_not_device_buffers() -> None:
     assert not is_device(torch.zeros(3)) and not is_device(b"abc")
     assert nbytes(torch.zeros(3, dtype=torch.float32)) == 12
+    assert nbytes(torch.zeros(3)) == 12 and nbytes(b"abc") == 3
+
+
+def test_sizes_of_tensors_come_without_a_view_and_refuse_what_no_transport_takes() -> None:
+    rows = torch.zeros((4, 30), dtype=torch.bfloat16)
+    assert nbytes(rows[1]) == 60 and nbytes(rows) == 240
+    assert nbytes(rows.view(torch.uint8)[2]) == 60
+    with pytest.raises(ValueError, match="contiguous"):
+        nbytes(rows[:, :3])  # a column slice: refused before a request names its size

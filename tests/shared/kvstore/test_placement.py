@@ -33,3 +33,8 @@ def test_losing_a_node_only_moves_its_blocks() -> None:
         before = rank(block_id, NODES)
         after = rank(block_id, rest)
         assert after == [n for n in before if n != gone]  # survivors keep their order
+
+
+def test_one_node_or_none_ranks_without_hashing() -> None:
+    assert rank(IDS[0], NODES[:1]) == NODES[:1] and rank(IDS[0], []) == []
+    assert rank(IDS[0], NODES[:2]) in (NODES[:2], NODES[1::-1])

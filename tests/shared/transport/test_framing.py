@@ -52,6 +52,13 @@ def test_views_of_numpy_and_torch_are_flat_bytes() -> None:
 
     assert as_bytes_view(np.zeros((3, 4), np.float32)).nbytes == 48
     assert as_bytes_view(torch.zeros(2, 5, dtype=torch.bfloat16)).nbytes == 20
+    pool = torch.arange(24, dtype=torch.uint8).reshape(3, 8)
+    row = as_bytes_view(pool[1])  # a pool's block row: its own bytes, shared, writable
+    assert row.format == "B" and bytes(row) == bytes(range(8, 16))
+    row[0] = 99
+    assert int(pool[1, 0]) == 99
+    with pytest.raises(ValueError, match="contiguous"):
+        as_bytes_view(pool[:, 0])
 
 
 @pytest.mark.parametrize(
